@@ -1,0 +1,1 @@
+"""batchpilot: pick and keep the best batch size for a PyTorch job."""
