@@ -1,0 +1,41 @@
+"""Shared fixtures and markers: CPU by default, GPU tests skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPERS = Path(__file__).resolve().parent / "helpers"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def run_helper(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``tests/helpers/<script>`` in a fresh interpreter (for RLIMIT_AS caps)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(HELPERS / script), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+    yield
