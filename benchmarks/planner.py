@@ -1,0 +1,174 @@
+"""The planner: fake-tensor estimates against the CPU tracker, their cost, and planner-seeded finding.
+
+Three tables, one command:
+
+1. *Estimates*: per reference model and batch size (up to 65536), the seconds one
+   fake estimate takes, the estimated peak, and for small batches the CPU tracker's
+   measured peak of the same two real steps with the difference (must be 0). The
+   CUDA columns are the allocator model's predictions for an H100 (allocated,
+   reserved): predictions only, to be checked by the GPU validation script.
+2. *Plans*: the planned batch for a named GPU and for a CPU capacity, the number of
+   fake runs and the seconds the whole plan took.
+3. *Finder*: ``find_batch_size`` alone against ``find_batch_size`` with
+   ``first_guess`` from the planner, on the benchmark models under an emulated
+   CPU capacity: trials, OOMs, the answers, and seconds (plan included).
+
+Times on a shared 2-core machine are noisy: compare them within one run.
+
+    python benchmarks/planner.py                 # everything
+    python benchmarks/planner.py --quick         # smaller finder models and batches
+    python benchmarks/planner.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import BENCH_MODELS, QUICK_MODELS  # noqa: E402
+
+from batchpilot.find import find_batch_size  # noqa: E402
+from batchpilot.gpus import CudaAccounting  # noqa: E402
+from batchpilot.memory import format_bytes, parse_bytes, track_peak  # noqa: E402
+from batchpilot.models import MODEL_NAMES, build_model, example_batch  # noqa: E402
+from batchpilot.plan import default_step, estimate_peak_memory, plan_batch_size  # noqa: E402
+
+BATCHES = (1, 16, 256, 4096, 65536)
+REAL_UP_TO = 256  # real CPU steps beyond this take too long for a benchmark run
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def real_peak(name: str, b: int) -> int:
+    torch.manual_seed(0)
+    model = build_model(name)
+    opt = adam(model.parameters())
+    batch = example_batch(model, b)
+    with track_peak("cpu", track=(model, opt, batch)) as m:
+        for _ in range(2):
+            default_step(model, opt, batch)
+    return m.peak_bytes
+
+
+def estimates_table(batches: tuple[int, ...]) -> list[dict[str, Any]]:
+    rows = []
+    h100 = CudaAccounting.for_gpu("H100-80GB")
+    for name in MODEL_NAMES:
+        model = build_model(name)
+        sample = example_batch(model, 2)
+        estimate_peak_memory(model, sample, 2, optimizer=adam)  # warm-up: imports, first dispatch
+        for b in batches:
+            cpu = estimate_peak_memory(model, sample, b, optimizer=adam)
+            cuda = estimate_peak_memory(model, sample, b, optimizer=adam, device="cuda", accounting=h100)
+            real = real_peak(name, b) if b <= REAL_UP_TO else None
+            rows.append({
+                "model": name, "batch": b, "fake_seconds": round(cpu.seconds, 3), "estimate_bytes": cpu.peak_bytes,
+                "tracker_bytes": real, "difference": None if real is None else cpu.peak_bytes - real,
+                "cuda_allocated": cuda.allocated_bytes, "cuda_reserved": cuda.reserved_bytes,
+                "activations": cpu.activations,
+            })
+    return rows
+
+
+def plans_table() -> list[dict[str, Any]]:
+    rows = []
+    for name in MODEL_NAMES:
+        model = build_model(name)
+        sample = example_batch(model, 2)
+        for capacity in ("H100-80GB", "24GiB"):
+            plan = plan_batch_size(model, sample, optimizer=adam, capacity=capacity)
+            rows.append({
+                "model": name, "capacity": capacity, "device": plan.device, "batch": plan.batch_size,
+                "fake_runs": len(plan.evaluations), "seconds": round(plan.seconds, 2),
+                "required_at_b": plan.estimate.required_bytes, "limit": plan.limit,
+            })
+    return rows
+
+
+def finder_table(quick: bool, capacity: str) -> list[dict[str, Any]]:
+    rows = []
+    cap = parse_bytes(capacity)
+    for name, spec in (QUICK_MODELS if quick else BENCH_MODELS).items():
+        torch.manual_seed(0)
+        model = build_model(spec["model"], **spec["kwargs"])
+        opt = adam(model.parameters())
+
+        def step(b: int) -> None:
+            default_step(model, opt, example_batch(model, b))
+
+        for seeded in (False, True):
+            started = time.perf_counter()
+            guess, plan_s = None, 0.0
+            if seeded:
+                plan = plan_batch_size(model, example_batch(model, 2), optimizer=opt, capacity=cap)
+                guess, plan_s = plan.batch_size, plan.seconds
+            found = find_batch_size(step, device="cpu", capacity=cap, restore=[model, opt], first_guess=guess)
+            rows.append({
+                "model": name, "method": "planner + finder" if seeded else "finder alone",
+                "plan_batch": guess, "batch": found.batch_size, "trials": found.num_trials,
+                "ooms": found.num_ooms, "sizes": [t.batch_size for t in found.trials],
+                "plan_seconds": round(plan_s, 2), "seconds": round(time.perf_counter() - started, 2),
+            })
+    return rows
+
+
+_BYTE_COLUMNS = ("estimate_bytes", "tracker_bytes", "cuda_allocated", "cuda_reserved", "required_at_b", "limit")
+
+
+def _fmt(column: str, v: Any) -> str:
+    if v is None:
+        return "-"
+    if column in _BYTE_COLUMNS:
+        return f"{v} ({format_bytes(v)})" if v < 1 << 24 else format_bytes(v)
+    return str(v)
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join("---" for _ in columns) + "|")
+    for r in rows:
+        print("| " + " | ".join(_fmt(c, r[c]) for c in columns) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="batches up to 4096, the small finder models")
+    p.add_argument("--capacity", default="128MiB", help="emulated CPU capacity for the finder table")
+    p.add_argument("--json", type=Path, help="also write the tables as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)  # one thread: comparable times on a shared machine
+
+    batches = BATCHES[:-1] if args.quick else BATCHES
+    est = estimates_table(batches)
+    print_table("Fake estimates (Adam, 2 steps) vs the CPU tracker; CUDA columns: H100 allocator model",
+                est, ["model", "batch", "fake_seconds", "estimate_bytes", "tracker_bytes", "difference",
+                      "cuda_allocated", "cuda_reserved"])
+    plans = plans_table()
+    print_table("Plans (target 0.8)", plans,
+                ["model", "capacity", "device", "batch", "fake_runs", "seconds", "required_at_b", "limit"])
+    finds = finder_table(args.quick, args.capacity)
+    print_table(f"Finder alone vs planner-seeded finder (CPU, emulated {args.capacity}, target 0.8)", finds,
+                ["model", "method", "plan_batch", "batch", "trials", "ooms", "sizes", "plan_seconds", "seconds"])
+    bad = [r for r in est if r["difference"] not in (None, 0)]
+    if bad:
+        print(f"\nMISMATCH: {len(bad)} estimates differ from the tracker", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"estimates": est, "plans": plans, "finder": finds}, indent=2))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

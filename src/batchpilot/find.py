@@ -1,0 +1,522 @@
+"""Find the largest batch size whose training (or inference) step fits under a memory target.
+
+:func:`find_batch_size` runs a user's step at the batch sizes a search policy
+(:mod:`batchpilot.search`) asks for, measures each trial's peak with the memory
+probes, recovers from OOMs, and puts the model, optimizer and RNG state back
+afterwards. :func:`find_batch_size_for` builds the step from a model, an
+optimizer, a loss and an example batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
+from .oom import attempt
+from .search import (
+    FIT,
+    OOM,
+    OVER_TARGET,
+    STRATEGIES,
+    BatchSizeError,
+    NothingFitsError,
+    SearchPolicy,
+    SearchSpace,
+    Trial,
+    fit_line,
+    make_policy,
+    run_search,
+)
+from .snapshot import StateSnapshot
+
+__all__ = [
+    "BatchSizeError",
+    "NothingFitsError",
+    "FinderConfig",
+    "MemoryFit",
+    "BatchPlan",
+    "find_batch_size",
+    "find_batch_size_for",
+    "make_batch_fn",
+]
+
+logger = logging.getLogger(__name__)
+
+# devices whose capacity memory.emulate_capacity can enforce
+_EMULATED = ("cpu", "cuda")
+
+
+@dataclass(kw_only=True)
+class FinderConfig:
+    """The options of :func:`find_batch_size`, validated before any trial runs.
+
+    Raises:
+        BatchSizeError: target outside (0, 1], ``min_batch_size > max_batch_size``,
+            a non-positive size or count, or an unknown strategy.
+    """
+
+    target: float = 0.8
+    capacity: int | str | None = None
+    strategy: str | SearchPolicy = "predict"
+    min_batch_size: int = 1
+    max_batch_size: int | None = None
+    steps_per_trial: int = 2
+    first_guess: int | None = None
+    max_trials: int = 25
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
+            raise BatchSizeError(
+                f"target must be a fraction of device memory in (0, 1], got {self.target!r}; "
+                "0.6-0.8 leaves room for fragmentation and other processes"
+            )
+        if self.capacity is not None:
+            try:
+                self.capacity = parse_bytes(self.capacity)
+            except ValueError as exc:
+                raise BatchSizeError(str(exc)) from exc
+        if not isinstance(self.strategy, SearchPolicy) and self.strategy not in STRATEGIES:
+            raise BatchSizeError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.min_batch_size < 1:
+            raise BatchSizeError(f"min_batch_size must be at least 1, got {self.min_batch_size}")
+        if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
+            raise BatchSizeError(
+                f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
+                "lower min_batch_size or raise max_batch_size (e.g. to the dataset length)"
+            )
+        if self.steps_per_trial < 1:
+            raise BatchSizeError(
+                f"steps_per_trial must be at least 1, got {self.steps_per_trial}; "
+                "2 puts lazily created optimizer state inside the measured peak"
+            )
+        if self.first_guess is not None and self.first_guess < 1:
+            raise BatchSizeError(f"first_guess must be at least 1, got {self.first_guess}")
+        if self.max_trials < 1:
+            raise BatchSizeError(f"max_trials must be at least 1, got {self.max_trials}")
+
+
+@dataclass(kw_only=True)
+class MemoryFit:
+    """``peak ≈ fixed_bytes + bytes_per_sample × batch_size`` near the boundary."""
+
+    fixed_bytes: float
+    bytes_per_sample: float
+
+    def predict(self, batch_size: int) -> float:
+        return self.fixed_bytes + self.bytes_per_sample * batch_size
+
+
+@dataclass(kw_only=True)
+class BatchPlan:
+    """The result of a batch-size search.
+
+    Attributes:
+        batch_size: the largest batch size found to fit.
+        target: the fraction of ``capacity`` the peak may use.
+        capacity: device capacity in bytes (emulated or real).
+        limit_bytes: ``int(target × capacity)``; a fitting peak is at most this.
+        strategy: the search policy's name.
+        device: the device measured, e.g. ``"cuda:0"``.
+        trials: every trial in order.
+        fit: the line through the two measured trials nearest the boundary,
+            or ``None`` with fewer than two measured trials.
+        seconds: wall time of the whole search.
+        stop_reason: ``"boundary"`` (b fits, b + 1 does not), ``"max_batch_size"``,
+            ``"strategy"`` (power / decay stop before the boundary) or ``"max_trials"``.
+        steps_per_trial: training steps run per trial.
+        limited_by_rank: in a distributed search, the rank whose memory set the
+            answer (filled in by the distributed layer).
+    """
+
+    batch_size: int
+    target: float
+    capacity: int
+    limit_bytes: int
+    strategy: str
+    device: str
+    trials: list[Trial] = field(default_factory=list)
+    fit: MemoryFit | None = None
+    seconds: float = 0.0
+    stop_reason: str = "boundary"
+    steps_per_trial: int = 2
+    limited_by_rank: int | None = None
+
+    @property
+    def num_trials(self) -> int:
+        return len(self.trials)
+
+    @property
+    def num_ooms(self) -> int:
+        return sum(t.outcome == OOM for t in self.trials)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (ints, floats, strings, lists, dicts, None)."""
+        out = asdict(self)
+        out["num_trials"] = self.num_trials
+        out["num_ooms"] = self.num_ooms
+        return out
+
+
+def _progress_bar(enabled: bool, strategy: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        logger.warning("progress=True needs tqdm (pip install tqdm); continuing without a progress bar")
+        return None
+    return tqdm(desc=f"batch size ({strategy})", unit="trial")
+
+
+def find_batch_size(
+    step: Callable[[int], Any],
+    *,
+    device: torch.device | str | int | None = None,
+    target: float = 0.8,
+    capacity: int | str | None = None,
+    strategy: str | SearchPolicy = "predict",
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    steps_per_trial: int = 2,
+    restore: Iterable[Any] = (),
+    first_guess: int | None = None,
+    max_trials: int = 25,
+    progress: bool = False,
+) -> BatchPlan:
+    """Find the largest batch size whose step peaks at or under ``target × capacity``.
+
+    Each trial calls ``step(batch_size)`` ``steps_per_trial`` times and measures
+    the peak allocated bytes over those steps; a peak over the limit counts as
+    "does not fit" just like an OOM, which is recovered from. Before the first
+    trial the objects in ``restore`` and the torch / numpy / python RNG states are
+    snapshotted, and they are put back after every trial (each trial starts
+    from the same state, as the real job will) and when the search ends, also
+    on error.
+
+    On CPU the figures come from the exact storage tracker. When ``capacity`` is
+    given on CPU or CUDA the trials run under
+    :func:`~batchpilot.memory.emulate_capacity`, so a trial past it OOMs as on a
+    real device of that size; without it the device's own capacity is used
+    (on CPU, the available RAM — pass ``capacity`` or ``max_batch_size``).
+
+    Args:
+        step: runs one full step (forward, backward, optimizer step) at a batch size.
+        device: the device whose memory is measured; default the current accelerator, else CPU.
+        target: fraction of the capacity the peak may use, in (0, 1].
+        capacity: device memory in bytes or as a string (``"24GiB"``); default the device's.
+        strategy: ``"predict"``, ``"power"``, ``"binsearch"``, ``"decay"`` or a
+            :class:`~batchpilot.search.SearchPolicy`.
+        min_batch_size: the smallest size to consider.
+        max_batch_size: the largest size to consider (e.g. the dataset length).
+        steps_per_trial: steps per trial; 2 puts lazily created optimizer state
+            (Adam's moments) inside the measured peak.
+        restore: modules, optimizers, LR schedulers, GradScalers or tensors to
+            snapshot and restore bit for bit; their tensors also count as
+            memory in use at the start of each trial.
+        first_guess: a size to try first (e.g. from the planner); the start of
+            power / binsearch / decay.
+        max_trials: stop after this many trials, keeping the best so far.
+        progress: show a tqdm progress bar (if tqdm is installed).
+
+    Returns:
+        A :class:`BatchPlan`.
+
+    Raises:
+        BatchSizeError: invalid options (raised before any trial).
+        NothingFitsError: even ``min_batch_size`` does not fit; the message gives
+            its peak and the capacity.
+        Exception: any non-OOM error of ``step`` propagates unchanged, after the
+            state is restored.
+    """
+    cfg = FinderConfig(
+        target=target, capacity=capacity, strategy=strategy, min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size, steps_per_trial=steps_per_trial, first_guess=first_guess,
+        max_trials=max_trials, progress=progress,
+    )
+    dev = resolve_device(device)
+    targets = [o for o in restore if o is not None]
+    policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size)
+    started = time.perf_counter()
+    snapshot = StateSnapshot(targets)
+    bar = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if cfg.capacity is not None and dev.type in _EMULATED:
+                stack.enter_context(emulate_capacity(cfg.capacity, dev, track=targets))
+            cap = cfg.capacity if cfg.capacity is not None else get_probe(dev).capacity()
+            space = SearchSpace(
+                limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
+                min_batch_size=cfg.min_batch_size, max_batch_size=cfg.max_batch_size,
+            )
+            logger.info(
+                "finding the batch size on %s: strategy %s, limit %s (%.0f%% of %s)",
+                dev, policy.name, format_bytes(space.limit_bytes), 100 * cfg.target, format_bytes(cap),
+            )
+            bar = _progress_bar(cfg.progress, policy.name)
+            trial_fn = _TrialRunner(step, dev, space, cfg.steps_per_trial, targets, snapshot)
+
+            def report(t: Trial) -> None:
+                _log_trial(t, len(trial_fn.done), space)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(batch=t.batch_size, outcome=t.outcome)
+
+            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report)
+    finally:
+        if bar is not None:
+            bar.close()
+        snapshot.restore()
+    if result.batch_size is None:
+        raise _nothing_fits(result.trials, space, dev, result.stop_reason)
+    line = fit_line(result.trials, space.limit_bytes)
+    plan = BatchPlan(
+        batch_size=result.batch_size, target=float(cfg.target), capacity=int(cap), limit_bytes=space.limit_bytes,
+        strategy=policy.name, device=str(dev), trials=result.trials,
+        fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
+        seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
+        steps_per_trial=cfg.steps_per_trial,
+    )
+    if result.stop_reason == "max_trials":
+        logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
+                       plan.num_trials, plan.batch_size)
+    logger.info("batch size %d (%s) after %d trials, %d OOM, %.2fs",
+                plan.batch_size, plan.stop_reason, plan.num_trials, plan.num_ooms, plan.seconds)
+    return plan
+
+
+class _TrialRunner:
+    """Runs one trial: the steps under a peak measurement, OOM recovery, then the restore."""
+
+    def __init__(self, step: Callable[[int], Any], device: torch.device, space: SearchSpace,
+                 steps: int, targets: list[Any], snapshot: StateSnapshot) -> None:
+        self.step, self.device, self.space, self.steps = step, device, space, steps
+        self.targets, self.snapshot = targets, snapshot
+        self.probe = get_probe(device)
+        self.done: list[Trial] = []
+
+    def __call__(self, batch_size: int) -> Trial:
+        holder: list[Any] = []
+
+        def run() -> None:
+            with track_peak(self.device, track=self.targets) as m:
+                holder.append(m)
+                for i in range(self.steps):
+                    if i == self.steps - 1:
+                        holder.append(self._steady_bytes())
+                    self.step(batch_size)
+
+        began = time.perf_counter()
+        # the restore runs after the OOM's traceback is gone, before memory is released
+        outcome = attempt(run, device=self.device, on_oom=self.snapshot.restore)
+        if not outcome.oom:
+            self.snapshot.restore()
+        seconds = time.perf_counter() - began
+        m = holder[0] if holder else None
+        peak = None if m is None else int(m.peak_bytes)
+        start = holder[1] if len(holder) > 1 else None
+        if outcome.oom:
+            kind = OOM
+        else:
+            kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
+        trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=peak, start_bytes=start, seconds=seconds,
+                      message=outcome.message if outcome.oom else None)
+        self.done.append(trial)
+        return trial
+
+    def _steady_bytes(self) -> int:
+        """Bytes in use as the last step starts, less gradients (a step may free them before its peak)."""
+        self.probe.synchronize()
+        grads: dict[int, int] = {}
+        for obj in self.targets:
+            if isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    g = p.grad
+                    if g is not None and g.device == self.device:
+                        st = g.untyped_storage()
+                        grads[id(st)] = st.nbytes()
+        return int(self.probe.allocated()) - sum(grads.values())
+
+
+def _log_trial(t: Trial, index: int, space: SearchSpace) -> None:
+    peak = "unknown" if t.peak_bytes is None else format_bytes(t.peak_bytes)
+    if t.outcome == OOM:
+        peak = f"OOM (at least {peak})" if t.peak_bytes is not None else "OOM"
+    logger.info("trial %d: batch %d -> %s, peak %s, limit %s, %.2fs",
+                index, t.batch_size, t.outcome, peak, format_bytes(space.limit_bytes), t.seconds)
+
+
+def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device, reason: str) -> NothingFitsError:
+    smallest = min(trials, key=lambda t: t.batch_size) if trials else None
+    if smallest is None or reason == "max_trials":
+        msg = f"no batch size fitted in {len(trials)} trials on {device}; raise max_trials"
+        return NothingFitsError(msg, batch_size=space.min_batch_size, peak_bytes=None,
+                                limit_bytes=space.limit_bytes, capacity_bytes=space.capacity_bytes)
+    if smallest.outcome == OOM:
+        seen = "" if smallest.peak_bytes is None else f" (with {format_bytes(smallest.peak_bytes)} already allocated)"
+        what = f"ran out of memory{seen}"
+    else:
+        what = f"peaked at {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+    msg = (
+        f"nothing fits on {device}: batch size {smallest.batch_size} {what}, over the limit "
+        f"{format_bytes(space.limit_bytes)} = {space.limit_bytes / space.capacity_bytes:.0%} of the capacity "
+        f"{format_bytes(space.capacity_bytes)} ({space.capacity_bytes} bytes); use a smaller model, "
+        "mixed precision or activation checkpointing, a larger target, or a device with more memory"
+    )
+    return NothingFitsError(msg, batch_size=smallest.batch_size, peak_bytes=smallest.peak_bytes,
+                            limit_bytes=space.limit_bytes, capacity_bytes=space.capacity_bytes)
+
+
+# ---------------------------------------------------------------------------
+# convenience front
+
+
+def make_batch_fn(batch: Any) -> Callable[[int], Any]:
+    """A function ``b -> batch of size b`` built from an example batch.
+
+    ``batch`` is a tensor or a pytree (tuple, list, dict) of tensors sharing
+    their first dimension n; a batch of size b takes rows ``0, 1, …, b-1``
+    modulo n of every such tensor (``index_select``, so it owns exactly b rows
+    and its memory counts like a freshly loaded batch). Other leaves pass
+    through. A callable is returned unchanged.
+
+    Raises:
+        ValueError: no tensor with a batch dimension, or tensors disagree on it.
+    """
+    if callable(batch) and not isinstance(batch, torch.Tensor):
+        return batch
+    leaves, spec = tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            "the example batch needs tensors that share their first (batch) dimension, got sizes "
+            f"{sorted(sizes) or 'none'}; pass a function batch_size -> batch instead"
+        )
+    n = sizes.pop()
+
+    def make(b: int) -> Any:
+        out = []
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                idx = torch.arange(b, device=t.device).remainder_(n)
+                t = t.index_select(0, idx)
+            out.append(t)
+        return tree_unflatten(out, spec)
+
+    return make
+
+
+def _call_model(model: nn.Module, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+
+
+def _default_forward(mode: str, loss_fn: Callable[..., torch.Tensor] | None) -> Callable[[nn.Module, Any], Any]:
+    def forward(model: nn.Module, batch: Any) -> Any:
+        pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+        if mode == "eval":
+            return _call_model(model, batch[0] if pair else batch)
+        if not pair:
+            raise ValueError(
+                "mode='train' without forward= needs batches of (inputs, targets); "
+                "pass forward=lambda model, batch: loss for other layouts"
+            )
+        return loss_fn(_call_model(model, batch[0]), batch[1])
+
+    return forward
+
+
+def find_batch_size_for(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    mode: Literal["train", "eval"] = "train",
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    amp_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    restore: Iterable[Any] | None = None,
+    **options: Any,
+) -> BatchPlan:
+    """Find the batch size for a model without writing the step.
+
+    ``mode="train"`` runs ``optimizer.zero_grad(set_to_none=True)``, the
+    forward and loss, ``backward`` and ``optimizer.step()`` (through ``scaler``
+    when given). ``mode="eval"`` runs the forward alone under
+    ``torch.inference_mode()`` with the model in eval mode, which fits far
+    larger batches. The default forward takes ``(inputs, targets)`` batches:
+    ``loss_fn(model(inputs), targets)``; a dict of inputs is passed as keywords.
+
+    Args:
+        model: the model, already on its device (which is the one measured
+            unless ``device=`` is passed).
+        batch: an example batch (see :func:`make_batch_fn`) or a function
+            ``batch_size -> batch``.
+        optimizer: required for ``mode="train"``.
+        loss_fn: ``loss_fn(outputs, targets)``; required for training with the
+            default forward.
+        mode: ``"train"`` or ``"eval"``.
+        forward: ``forward(model, batch)`` returning the loss (train) or the
+            outputs (eval), for batches of another layout.
+        amp_dtype: run the forward under ``torch.autocast`` with this dtype.
+        scaler: a ``GradScaler`` for fp16 training.
+        restore: what to snapshot and restore; default the model, optimizer and scaler.
+        **options: any keyword of :func:`find_batch_size` (``target``,
+            ``capacity``, ``strategy``, ``max_batch_size``, …).
+
+    Raises:
+        ValueError: unknown mode, or training without an optimizer or loss.
+        BatchSizeError, NothingFitsError: as :func:`find_batch_size`.
+    """
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if mode == "train" and optimizer is None:
+        raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
+    if mode == "train" and forward is None and loss_fn is None:
+        raise ValueError("mode='train' needs loss_fn (or forward=lambda model, batch: loss)")
+    make = make_batch_fn(batch)
+    fwd = forward or _default_forward(mode, loss_fn)
+    params = list(model.parameters())
+    device = options.pop("device", params[0].device if params else None)
+    dev_type = resolve_device(device).type
+    targets = list(restore) if restore is not None else [model, optimizer, scaler]
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(dev_type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+
+    def train_step(b: int) -> None:
+        data = make(b)
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = fwd(model, data)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+    def eval_step(b: int) -> None:
+        data = make(b)
+        with torch.inference_mode(), autocast():
+            fwd(model, data)
+
+    if mode == "eval":
+        flags = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            return find_batch_size(eval_step, device=device, restore=targets, **options)
+        finally:
+            for m, flag in flags:
+                m.training = flag
+    return find_batch_size(train_step, device=device, restore=targets, **options)

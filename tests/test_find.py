@@ -1,0 +1,407 @@
+"""find_batch_size on CPU: exact boundaries under an emulated capacity, state restore, OOM recovery,
+bad input, and a real RLIMIT_AS cap in a subprocess."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from batchpilot.find import (
+    BatchPlan,
+    BatchSizeError,
+    NothingFitsError,
+    find_batch_size,
+    find_batch_size_for,
+    make_batch_fn,
+)
+from batchpilot.memory import active_tracker, emulate_capacity, parse_bytes, track_peak
+from batchpilot.models import build_model, example_batch
+from batchpilot.search import OOM
+from batchpilot.snapshot import StateSnapshot
+
+CAPACITY = parse_bytes("4MiB")
+
+
+def setup(name: str, seed: int = 0, **sizes):
+    torch.manual_seed(seed)
+    model = build_model(name, **sizes)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batch = example_batch(model, 4, generator=torch.Generator().manual_seed(seed))
+    return model, optimizer, batch
+
+
+def direct_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch, b: int, steps: int = 2) -> int:
+    """The peak of ``steps`` training steps at batch b, measured on fresh copies (no finder involved)."""
+    model = copy.deepcopy(model)
+    opt = type(optimizer)(model.parameters(), **optimizer.defaults)
+    make, loss_fn = make_batch_fn(batch), nn.CrossEntropyLoss()
+    with track_peak("cpu", track=(model, opt)) as m:
+        for _ in range(steps):
+            x, y = make(b)
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return m.peak_bytes
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    out = {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "buffers": {k: v.clone() for k, v in model.named_buffers()},
+        "grads": {k: None if v.grad is None else v.grad.clone() for k, v in model.named_parameters()},
+        "training": [m.training for m in model.modules()],
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }
+    if optimizer is not None:
+        out["optimizer"] = copy.deepcopy(optimizer.state_dict())
+    return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    for kind in ("params", "buffers", "grads"):
+        assert a[kind].keys() == b[kind].keys()
+        for k in a[kind]:
+            x, y = a[kind][k], b[kind][k]
+            assert (x is None) == (y is None), f"{kind} {k}"
+            if x is not None:
+                assert torch.equal(x, y) and x.dtype == y.dtype, f"{kind} {k} changed"
+    assert a["training"] == b["training"]
+    assert torch.equal(a["torch_rng"], b["torch_rng"])
+    na, nb = a["numpy_rng"], b["numpy_rng"]
+    assert na[0] == nb[0] and np.array_equal(na[1], nb[1]) and na[2:] == nb[2:]
+    assert a["python_rng"] == b["python_rng"]
+    if "optimizer" in a:
+        sa, sb = a["optimizer"], b["optimizer"]
+        assert sa["param_groups"] == sb["param_groups"]
+        assert sa["state"].keys() == sb["state"].keys()
+        for i in sa["state"]:
+            assert sa["state"][i].keys() == sb["state"][i].keys()
+            for k in sa["state"][i]:
+                assert torch.equal(sa["state"][i][k], sb["state"][i][k]), f"optimizer state {i}.{k} changed"
+
+
+# ---------------------------------------------------------------------------
+# the contract: exact boundary, state bit-identical
+
+
+@pytest.mark.parametrize("target", [0.6, 0.9])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_exact_boundary_and_state_restored(name, target):
+    model, opt, batch = setup(name)
+    np.random.seed(1)
+    random.seed(2)
+    before = state_of(model, opt)
+    plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(),
+                               capacity=CAPACITY, target=target)
+    assert_same_state(before, state_of(model, opt))
+    b, limit = plan.batch_size, plan.limit_bytes
+    assert limit == int(target * CAPACITY) and plan.stop_reason == "boundary"
+    peak_b = direct_peak(model, opt, batch, b)
+    assert peak_b <= limit < direct_peak(model, opt, batch, b + 1)
+    assert [t.peak_bytes for t in plan.trials if t.batch_size == b] == [peak_b]
+    # the MLP's optimizer step outweighs its activations up to ~200 samples: a flat start costs trials
+    assert plan.num_ooms == 0 and plan.num_trials <= {"mlp": 8, "cnn": 3, "transformer": 4}[name], plan.trials
+
+
+def test_restores_existing_optimizer_state_grads_scheduler_and_batchnorm():
+    model, opt, batch = setup("cnn")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = batch
+    for _ in range(2):  # Adam state, BatchNorm statistics and a decayed LR exist before the search
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+    nn.functional.cross_entropy(model(x), y).backward()  # and gradients are pending
+    ema = torch.randn(7)
+    before, sched_before, ema_before = state_of(model, opt), copy.deepcopy(sched.state_dict()), ema.clone()
+
+    def step(b: int) -> None:
+        xb, yb = make_batch_fn(batch)(b)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        sched.step()
+        ema.mul_(0.5).add_(torch.rand(7))
+        np.random.rand(3)
+        random.random()
+
+    plan = find_batch_size(step, device="cpu", capacity=CAPACITY, restore=(model, opt, sched, ema))
+    assert plan.batch_size > 1
+    assert_same_state(before, state_of(model, opt))
+    assert sched.state_dict() == sched_before
+    assert opt.param_groups[0]["lr"] == sched_before["_last_lr"][0]
+    assert torch.equal(ema, ema_before)
+
+
+def test_grad_scaler_state_is_restored():
+    model, opt, batch = setup("mlp")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    before = copy.deepcopy(scaler.state_dict())
+    plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), scaler=scaler,
+                               amp_dtype=torch.bfloat16, capacity=CAPACITY, strategy="power", max_batch_size=8)
+    assert plan.batch_size == 8
+    assert scaler.state_dict() == before
+
+
+def test_oom_leaves_nothing_behind():
+    model, opt, batch = setup("cnn")
+    x, y = batch
+    with emulate_capacity(CAPACITY, "cpu", track=(model, opt, x, y)):
+        tracker = active_tracker("cpu")
+        live = tracker.live
+        plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), strategy="power")
+        assert plan.num_ooms >= 1 and plan.capacity == CAPACITY
+        oom = next(t for t in plan.trials if t.outcome == OOM)
+        assert "emulated capacity" in oom.message
+        assert tracker.live == live
+
+
+def test_non_oom_errors_propagate_untouched_and_state_is_restored():
+    model, opt, batch = setup("mlp")
+    before = state_of(model, opt)
+    boom = KeyError("not an OOM")
+    calls = []
+
+    def step(b: int) -> None:
+        calls.append(b)
+        x, y = make_batch_fn(batch)(b)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if b > 1:
+            raise boom
+
+    with pytest.raises(KeyError) as info:
+        find_batch_size(step, device="cpu", capacity=CAPACITY, restore=(model, opt))
+    assert info.value is boom and calls[0] == 1 and len(calls) >= 3
+    assert_same_state(before, state_of(model, opt))
+
+
+# ---------------------------------------------------------------------------
+# strategies, eval mode, options
+
+
+def test_strategies_agree_on_the_boundary():
+    model, opt, batch = setup("cnn", widths=(8, 16))
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity="2MiB", target=0.8)
+    predict = find_batch_size_for(model, batch, **kw)
+    binsearch = find_batch_size_for(model, batch, strategy="binsearch", **kw)
+    power = find_batch_size_for(model, batch, strategy="power", **kw)
+    decay = find_batch_size_for(model, batch, strategy="decay", first_guess=64, **kw)
+    assert binsearch.batch_size == predict.batch_size
+    assert predict.batch_size // 2 < power.batch_size <= predict.batch_size
+    assert decay.batch_size <= predict.batch_size and decay.trials[0].batch_size == 64
+    assert predict.num_trials < binsearch.num_trials
+
+
+def test_first_guess_from_a_planner_is_verified_in_two_trials():
+    model, opt, batch = setup("cnn")
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
+    answer = find_batch_size_for(model, batch, **kw).batch_size
+    plan = find_batch_size_for(model, batch, first_guess=answer, **kw)
+    assert plan.batch_size == answer and [t.batch_size for t in plan.trials] == [answer, answer + 1]
+
+
+def test_max_batch_size_bounds_the_search():
+    model, opt, batch = setup("cnn")
+    plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
+                               max_batch_size=5)
+    assert plan.batch_size == 5 and plan.stop_reason == "max_batch_size"
+    assert max(t.batch_size for t in plan.trials) == 5
+
+
+def test_eval_mode_runs_under_inference_mode_and_fits_more():
+    model, opt, batch = setup("cnn")
+    seen = []
+    model.register_forward_hook(lambda m, i, o: seen.append((torch.is_inference_mode_enabled(), m.training)))
+    kw = dict(capacity=CAPACITY, target=0.8)
+    train = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), **kw)
+    seen.clear()
+    evaluate = find_batch_size_for(model, batch, mode="eval", **kw)
+    assert seen and all(inf and not training for inf, training in seen)
+    assert model.training and evaluate.batch_size > 2 * train.batch_size
+    x, _ = batch
+    with track_peak("cpu", track=(model,)) as m, torch.inference_mode():
+        model.eval()
+        model(make_batch_fn(x)(evaluate.batch_size + 1))
+        model.train()
+    assert m.peak_bytes > evaluate.limit_bytes
+
+
+def test_plan_to_dict_is_json_and_logs_one_line_per_trial(caplog):
+    model, opt, batch = setup("transformer")
+    with caplog.at_level(logging.INFO, logger="batchpilot.find"):
+        plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
+    assert isinstance(plan, BatchPlan)
+    d = json.loads(json.dumps(plan.to_dict()))
+    for key in ("batch_size", "target", "capacity", "limit_bytes", "strategy", "device", "trials", "fit",
+                "num_trials", "num_ooms", "seconds", "limited_by_rank"):
+        assert key in d
+    assert d["strategy"] == "predict" and d["device"] == "cpu" and d["num_trials"] == len(d["trials"])
+    assert set(d["trials"][0]) >= {"batch_size", "outcome", "peak_bytes", "seconds"}
+    assert d["fit"]["bytes_per_sample"] > 0 and d["limited_by_rank"] is None
+    lines = [r for r in caplog.records if r.getMessage().startswith("trial ")]
+    assert len(lines) == plan.num_trials and all(r.levelno == logging.INFO for r in lines)
+
+
+def test_progress_bar(capsys):
+    model, opt, batch = setup("cnn")
+    find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
+                        progress=True)
+    assert "trial" in capsys.readouterr().err
+
+
+def test_make_batch_fn():
+    x, y = torch.arange(6.0).reshape(3, 2), torch.tensor([0, 1, 2])
+    make = make_batch_fn({"x": x, "y": y, "flag": True})
+    out = make(5)
+    assert out["flag"] is True and out["x"].shape == (5, 2)
+    assert out["y"].tolist() == [0, 1, 2, 0, 1]
+    assert out["x"].untyped_storage().nbytes() == 5 * 2 * 4  # owns exactly b rows
+    fn = lambda b: b  # noqa: E731
+    assert make_batch_fn(fn) is fn
+    with pytest.raises(ValueError, match="first"):
+        make_batch_fn((torch.zeros(3), torch.zeros(4)))
+
+
+def test_snapshot_refuses_unknown_objects():
+    with pytest.raises(TypeError, match="cannot snapshot"):
+        StateSnapshot([object()])
+
+
+# ---------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("target", [0, -0.5, 1.01, 2, True])
+def test_target_outside_unit_interval_is_rejected_before_any_trial(target):
+    calls = []
+    with pytest.raises(BatchSizeError, match="target"):
+        find_batch_size(calls.append, device="cpu", capacity=CAPACITY, target=target)
+    assert calls == []
+
+
+def test_bad_bounds_and_strategy():
+    calls = []
+    with pytest.raises(BatchSizeError, match="larger than max_batch_size") as info:
+        find_batch_size(calls.append, device="cpu", capacity=CAPACITY, min_batch_size=8, max_batch_size=4)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(ValueError, match="predict, power, binsearch, decay"):
+        find_batch_size(calls.append, device="cpu", capacity=CAPACITY, strategy="lightning")
+    with pytest.raises(BatchSizeError, match="steps_per_trial"):
+        find_batch_size(calls.append, device="cpu", capacity=CAPACITY, steps_per_trial=0)
+    assert calls == []
+    model, opt, batch = setup("mlp")
+    with pytest.raises(ValueError, match="optimizer"):
+        find_batch_size_for(model, batch, loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="mode"):
+        find_batch_size_for(model, batch, mode="predict")
+
+
+@pytest.mark.parametrize("capacity", ["600KiB", "1500KiB"])  # an OOM at batch 1, then over the target only
+def test_nothing_fits_reports_the_smallest_peak_and_capacity(capacity):
+    model, opt, batch = setup("cnn")
+    before = state_of(model, opt)
+    with pytest.raises(NothingFitsError) as info:
+        find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=capacity,
+                            target=0.4)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, RuntimeError) and isinstance(err, BatchSizeError)
+    cap = parse_bytes(capacity)
+    assert err.capacity_bytes == cap and err.batch_size == 1 and err.peak_bytes is not None
+    assert "batch size 1" in str(err) and f"({cap} bytes)" in str(err)
+    from batchpilot.memory import format_bytes
+    assert format_bytes(err.peak_bytes) in str(err)
+    assert_same_state(before, state_of(model, opt))
+
+
+# ---------------------------------------------------------------------------
+# a real address-space cap
+
+
+_RLIMIT_WORKER = textwrap.dedent('''
+    import json, resource, sys
+    import torch
+    torch.set_num_threads(1)  # threads reserve stacks and malloc arenas: keep the address space predictable
+    from batchpilot.find import find_batch_size_for
+    from batchpilot.models import MLP
+    from batchpilot.snapshot import StateSnapshot
+
+    def vm_size():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+
+    torch.manual_seed(0)
+    model = MLP(in_features=128, width=256, depth=2)
+    opt = torch.optim.Adam(model.parameters())
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batch = (torch.randn(64, 128), torch.randint(0, 10, (64,)))
+
+    def train(b, steps):
+        x, y = batch
+        idx = torch.arange(b) % 64
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x[idx]), y[idx]).backward()
+            opt.step()
+
+    snap = StateSnapshot([model, opt])
+    train(64, 2)  # load kernels and warm the allocator, then forget the training
+    snap.restore()
+    del snap
+    headroom = int(sys.argv[1]) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + headroom, resource.RLIM_INFINITY))
+    out = {}
+    try:
+        torch.empty(2 * headroom, dtype=torch.uint8)
+        out["probe"] = "allocated"
+    except RuntimeError as exc:
+        out["probe"] = str(exc)
+    # below: the emulated capacity is a quarter of the real headroom; above: eight times it,
+    # so the search runs into the real allocator's OOM and must recover from it
+    for name, capacity, strategy in (("below", headroom // 4, "predict"), ("above", 8 * headroom, "power")):
+        plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=loss_fn, capacity=capacity,
+                                   target=0.9, strategy=strategy)
+        train(plan.batch_size, 5)
+        out[name] = {"batch_size": plan.batch_size, "limit": plan.limit_bytes,
+                     "trials": [[t.batch_size, t.outcome, t.peak_bytes, t.message] for t in plan.trials]}
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux features")
+@pytest.mark.timeout(240)
+def test_under_a_real_address_space_cap():
+    env = dict(os.environ)
+    # a fixed mmap threshold stops glibc from moving freed large blocks into the heap, so the
+    # address space a batch needs does not depend on what ran before it
+    env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _RLIMIT_WORKER, "64"], capture_output=True, text=True,
+                          env=env, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "DefaultCPUAllocator" in out["probe"]  # the cap is real
+    below = out["below"]
+    assert all(t[1] != OOM for t in below["trials"]) and below["batch_size"] > 1
+    fitted = {t[0]: t[2] for t in below["trials"]}
+    assert fitted[below["batch_size"]] <= below["limit"]
+    above = out["above"]
+    ooms = [t for t in above["trials"] if t[1] == OOM]
+    assert ooms and all("DefaultCPUAllocator" in t[3] for t in ooms)  # real OOMs, recovered
+    assert above["batch_size"] >= below["batch_size"]

@@ -1,0 +1,340 @@
+"""Search policies against memory functions written in plain Python (no torch)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from typing import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot.search import (
+    FIT,
+    OOM,
+    OVER_TARGET,
+    BatchSizeError,
+    BinsearchPolicy,
+    DecayPolicy,
+    PowerPolicy,
+    PredictPolicy,
+    SearchPolicy,
+    SearchSpace,
+    Trial,
+    bracket,
+    decay_batch_step,
+    fit_line,
+    make_policy,
+    run_search,
+)
+
+Peak = Callable[[int], int]
+
+
+def linear(b: int) -> int:
+    return 10_000 + 300 * b
+
+
+def kink(b: int) -> int:
+    # the optimizer step dominates small batches, activations large ones
+    return max(50_000, 20_000 + 1_733 * b)
+
+
+def superlinear(b: int) -> int:
+    return int(10_000 + 50 * b**1.3)
+
+
+def step_change(b: int) -> int:
+    # e.g. a kernel switching to a larger workspace from batch 40 on
+    return 10_000 + 300 * b + (20_000 if b >= 40 else 0)
+
+
+def run(
+    policy: SearchPolicy, peak: Peak, *, capacity: int, target: float = 0.8, start: int = 8_000,
+    min_batch_size: int = 1, max_batch_size: int | None = None, max_trials: int = 40,
+):
+    space = SearchSpace(limit_bytes=int(target * capacity), capacity_bytes=capacity,
+                        min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+
+    def trial(b: int) -> Trial:
+        p = peak(b)
+        if p > capacity:
+            return Trial(batch_size=b, outcome=OOM, start_bytes=start)
+        return Trial(batch_size=b, outcome=FIT if p <= space.limit_bytes else OVER_TARGET,
+                     peak_bytes=p, start_bytes=start)
+
+    result = run_search(policy, space, trial, max_trials=max_trials)
+    return result, [t.batch_size for t in result.trials], space
+
+
+def true_max(peak: Peak, limit: int, min_batch_size: int = 1, max_batch_size: int | None = None) -> int | None:
+    if peak(min_batch_size) > limit:
+        return None
+    b = min_batch_size
+    while (max_batch_size is None or b < max_batch_size) and peak(b + 1) <= limit:
+        b += 1
+    return b
+
+
+# ---------------------------------------------------------------------------
+# timm's decay schedule
+
+
+def test_decay_batch_step_sequence_from_256():
+    seq, b = [], 256
+    while b:
+        seq.append(b)
+        b = decay_batch_step(b)
+    assert seq == [256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1]
+
+
+def test_decay_batch_step_options():
+    assert [decay_batch_step(b, num_intra_steps=4) for b in (256, 224, 192, 160, 128)] == [224, 192, 160, 128, 112]
+    assert decay_batch_step(100) == 96 and decay_batch_step(96) == 64
+    assert decay_batch_step(7) == 6 and decay_batch_step(6) == 4 and decay_batch_step(5) == 4
+    assert decay_batch_step(3, no_odd=True) == 2 and decay_batch_step(4, no_odd=True) == 2
+    assert decay_batch_step(1) == 0 and decay_batch_step(0) == 0
+    with pytest.raises(ValueError):
+        decay_batch_step(8, num_intra_steps=0)
+
+
+# ---------------------------------------------------------------------------
+# documented sequences
+
+
+def test_power_sequence_and_stop():
+    res, seq, _ = run(PowerPolicy(), linear, capacity=20_000, target=0.9)  # true max 26
+    assert seq == [1, 2, 4, 8, 16, 32]
+    assert res.batch_size == 16 and res.stop_reason == "strategy"
+
+
+def test_power_halves_when_the_start_fails():
+    res, seq, _ = run(PowerPolicy(start=64), linear, capacity=20_000, target=0.6)  # true max 6
+    assert seq == [64, 32, 16, 8, 4] and res.batch_size == 4
+
+
+def test_binsearch_sequence_reaches_the_exact_boundary():
+    peak = lambda b: 1_000 + 100 * b  # noqa: E731
+    res, seq, _ = run(BinsearchPolicy(), peak, capacity=10_000, target=0.47)  # limit 4700: true max 37
+    assert seq == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+    assert res.batch_size == 37 and res.stop_reason == "boundary"
+
+
+def test_binsearch_bisects_down_when_the_start_fails():
+    res, seq, space = run(BinsearchPolicy(start=64), linear, capacity=20_000, target=0.6)
+    assert seq[0] == 64 and res.batch_size == true_max(linear, space.limit_bytes) == 6
+
+
+def test_decay_sequence_from_256():
+    res, seq, _ = run(DecayPolicy(), lambda b: 1_000 + 100 * b, capacity=10_000, target=0.47)
+    assert seq == [256, 192, 128, 96, 64, 48, 32]
+    assert res.batch_size == 32 and res.stop_reason == "strategy"
+
+
+def test_decay_respects_min_batch_size():
+    res, seq, _ = run(DecayPolicy(start=16), kink, capacity=40_000, min_batch_size=3)
+    assert seq == [16, 12, 8, 6, 4, 3] and res.batch_size is None and res.stop_reason == "nothing_fits"
+
+
+def test_predict_sequence_linear():
+    # 1, the proportional guess, then the line's answer, certified by three collinear points
+    res, seq, space = run(PredictPolicy(), linear, capacity=206_000)
+    assert seq == [1, 68, 516]
+    assert res.batch_size == true_max(linear, space.limit_bytes) == 516 and res.stop_reason == "boundary"
+
+
+def test_predict_sequence_kink():
+    # flat start: the capacity guard holds the jump back, the overshoot is measured, then interpolated
+    res, seq, space = run(PredictPolicy(), kink, capacity=250_000, start=10_000)
+    assert seq == [1, 4, 24, 111, 103]
+    assert res.batch_size == true_max(kink, space.limit_bytes) == 103
+    assert res.trials[3].outcome == OVER_TARGET  # over the target but no OOM
+
+
+def test_predict_sequence_step_change():
+    res, seq, space = run(PredictPolicy(), step_change, capacity=206_000)
+    assert seq == [1, 68, 259, 449]
+    assert res.batch_size == true_max(step_change, space.limit_bytes) == 449
+
+
+@pytest.mark.parametrize("target", [0.6, 0.8, 0.9])
+@pytest.mark.parametrize("capacity", [25_000, 60_000, 206_000, 1_000_000])
+def test_predict_linear_memory_takes_at_most_four_trials(capacity, target):
+    res, seq, space = run(PredictPolicy(), linear, capacity=capacity, target=target)
+    assert res.batch_size == true_max(linear, space.limit_bytes)
+    assert len(seq) <= 4
+    assert all(t.outcome != OOM for t in res.trials)
+
+
+@pytest.mark.parametrize("peak,start", [(kink, 10_000), (superlinear, 8_000), (step_change, 8_000)])
+@pytest.mark.parametrize("target", [0.6, 0.9])
+@pytest.mark.parametrize("capacity_factor", [2, 5, 20, 100])
+def test_predict_is_exact_on_nonlinear_memory(peak, start, target, capacity_factor):
+    capacity = capacity_factor * peak(1)
+    res, seq, space = run(PredictPolicy(), peak, capacity=capacity, target=target, start=start)
+    assert res.batch_size == true_max(peak, space.limit_bytes)
+    assert len(seq) <= 12
+    assert sum(t.outcome == OOM for t in res.trials) <= 3
+
+
+def test_predict_when_the_true_max_is_below_the_first_guess():
+    res, seq, space = run(PredictPolicy(first_guess=64), linear, capacity=20_000, target=0.6)
+    assert res.batch_size == true_max(linear, space.limit_bytes) == 6
+    assert seq[0] == 64 and res.trials[0].outcome == OOM and len(seq) <= 5
+
+
+def test_predict_checks_an_exact_first_guess_with_one_more_trial():
+    res, seq, _ = run(PredictPolicy(first_guess=516), linear, capacity=206_000)
+    assert seq == [516, 517] and res.batch_size == 516
+
+
+def test_predict_stops_at_max_batch_size():
+    res, seq, _ = run(PredictPolicy(), linear, capacity=206_000, max_batch_size=100)
+    assert res.batch_size == 100 and res.stop_reason == "max_batch_size" and seq[-1] == 100
+    assert all(b <= 100 for b in seq)
+
+
+@pytest.mark.parametrize("policy", [PredictPolicy(), BinsearchPolicy(), PowerPolicy(), DecayPolicy(start=8)])
+def test_nothing_fits(policy):
+    # the smallest size is over the target (measured) for one, an OOM for the other
+    for capacity, outcome in ((55_000, OVER_TARGET), (45_000, OOM)):
+        res, seq, _ = run(policy, kink, capacity=capacity, target=0.9, min_batch_size=1)
+        assert res.batch_size is None and res.stop_reason == "nothing_fits"
+        assert res.trials[-1].batch_size == 1 and res.trials[-1].outcome == outcome
+
+
+def test_min_batch_size_is_the_first_probe():
+    res, seq, space = run(PredictPolicy(), linear, capacity=206_000, min_batch_size=32)
+    assert seq[0] == 32 and res.batch_size == true_max(linear, space.limit_bytes, 32)
+
+
+def test_allocator_rounding_needs_a_tolerance():
+    # peaks rounded up to 512 bytes are not convex: three of them can be collinear by chance
+    rounded = lambda b: 10_000 + 512 * math.ceil((300 * b + 77) / 512)  # noqa: E731
+    for capacity in (21_024, 51_500, 206_000):
+        for target in (0.6, 0.8, 0.9):
+            res, _, space = run(PredictPolicy(tolerance_bytes=512), rounded, capacity=capacity, target=target)
+            assert res.batch_size == true_max(rounded, space.limit_bytes)
+
+
+# ---------------------------------------------------------------------------
+# properties
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fixed=st.integers(0, 200_000),
+    per_sample=st.integers(1, 50_000),
+    quadratic=st.sampled_from([0, 0, 1, 30]),
+    flat=st.integers(0, 300_000),
+    jump=st.integers(0, 100_000),
+    jump_at=st.integers(2, 3_000),
+    headroom=st.integers(1, 400),
+    target=st.sampled_from([0.5, 0.6, 0.8, 0.9, 1.0]),
+    min_batch_size=st.integers(1, 4),
+    max_batch_size=st.one_of(st.none(), st.integers(4, 5_000)),
+    first_guess=st.one_of(st.none(), st.integers(1, 5_000)),
+)
+def test_exact_strategies_find_the_boundary(fixed, per_sample, quadratic, flat, jump, jump_at, headroom, target,
+                                            min_batch_size, max_batch_size, first_guess):
+    # a flat start, a linear or convex part and an upward step: what a real peak looks like
+    start = fixed // 2
+
+    def peak(b: int) -> int:
+        grown = start + fixed + per_sample * b + quadratic * b * b
+        return max(start + flat, grown) + (jump if b >= jump_at else 0)
+
+    capacity = peak(1) + headroom * per_sample
+    for policy in (PredictPolicy(first_guess=first_guess), BinsearchPolicy(start=first_guess)):
+        res, seq, space = run(policy, peak, capacity=capacity, target=target, start=start,
+                              min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+        best = true_max(peak, space.limit_bytes, min_batch_size, max_batch_size)
+        assert res.batch_size == best
+        # doubling up to the boundary (or halving down from the first guess), then bisecting
+        scale = max(best or 1, first_guess or 1)
+        assert len(seq) == len(set(seq)) and len(seq) <= 2 * math.ceil(math.log2(scale + 1)) + 6
+        if res.batch_size is not None and res.stop_reason == "boundary":
+            assert any(t.batch_size == res.batch_size + 1 and not t.fits for t in res.trials) or \
+                policy.certified(res.batch_size, res.trials, space)
+
+
+@settings(max_examples=60, deadline=None)
+@given(per_sample=st.integers(1, 10_000), fixed=st.integers(0, 50_000), headroom=st.integers(2, 2_000),
+       target=st.sampled_from([0.6, 0.8, 0.9]))
+def test_predict_on_linear_memory_never_ooms(per_sample, fixed, headroom, target):
+    start = 10_000
+    peak = lambda b: start + fixed + per_sample * b  # noqa: E731
+    res, seq, space = run(PredictPolicy(), peak, capacity=peak(1) + headroom * per_sample, target=target, start=start)
+    assert res.batch_size == true_max(peak, space.limit_bytes)
+    assert all(t.outcome != OOM for t in res.trials)
+
+
+# ---------------------------------------------------------------------------
+# helpers and validation
+
+
+def test_bracket_and_fit_line():
+    trials = [
+        Trial(batch_size=1, outcome=FIT, peak_bytes=1_100),
+        Trial(batch_size=10, outcome=FIT, peak_bytes=2_000),
+        Trial(batch_size=30, outcome=OOM),
+        Trial(batch_size=20, outcome=OVER_TARGET, peak_bytes=3_000),
+    ]
+    assert bracket(trials) == (10, 20)
+    assert fit_line(trials) == (1_000.0, 100.0)
+    assert fit_line(trials[:1]) is None
+    assert bracket([]) == (None, None)
+
+
+def test_trial_validation():
+    with pytest.raises(ValueError):
+        Trial(batch_size=1, outcome="maybe", peak_bytes=1)
+    with pytest.raises(ValueError):
+        Trial(batch_size=1, outcome=FIT)
+    assert Trial(batch_size=3, outcome=OOM).to_dict()["peak_bytes"] is None
+
+
+def test_search_space_validation():
+    with pytest.raises(BatchSizeError, match="larger than max_batch_size"):
+        SearchSpace(limit_bytes=10, capacity_bytes=10, min_batch_size=8, max_batch_size=4)
+    with pytest.raises(BatchSizeError):
+        SearchSpace(limit_bytes=11, capacity_bytes=10)
+    with pytest.raises(BatchSizeError):
+        SearchSpace(limit_bytes=10, capacity_bytes=10, min_batch_size=0)
+
+
+def test_make_policy():
+    assert isinstance(make_policy("predict", first_guess=7), PredictPolicy)
+    assert make_policy("predict", first_guess=7).first_guess == 7
+    assert make_policy("decay", max_batch_size=100).start == 100
+    assert make_policy("decay").start == 256
+    assert make_policy("power", first_guess=4).start == 4
+    custom = BinsearchPolicy(start=3)
+    assert make_policy(custom) is custom
+    with pytest.raises(ValueError, match="predict, power, binsearch, decay"):
+        make_policy("exhaustive")
+    with pytest.raises(BatchSizeError):
+        PredictPolicy(first_guess=0)
+
+
+def test_run_search_max_trials():
+    res, seq, _ = run(BinsearchPolicy(), linear, capacity=206_000, max_trials=3)
+    assert seq == [1, 2, 4] and res.batch_size == 4 and res.stop_reason == "max_trials"
+
+
+def test_search_module_does_not_import_torch():
+    # load search.py on its own: the package __init__ may import torch for other modules
+    path = __import__("batchpilot.search", fromlist=["search"]).__file__
+    probe = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('search_alone', {path!r})\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules['search_alone'] = mod\n"
+        "spec.loader.exec_module(mod)\n"
+        "assert 'torch' not in sys.modules, 'search.py imported torch'\n"
+        "print(mod.decay_batch_step(256))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "192"
