@@ -1,0 +1,779 @@
+"""A training step that holds the global batch fixed and picks the micro-batch by itself.
+
+``Engine.step(batch)`` takes the whole per-rank global batch, splits it into micro-batches,
+accumulates their gradients and steps the optimizer exactly once. On an out-of-memory error
+in any micro-batch it drops the partial gradients, frees memory outside the ``except``
+block, shrinks the micro-batch and runs the *same* global batch again from its first
+micro-batch: no sample is skipped or counted twice, and the update equals the one without
+the OOM to float rounding. After a run of clean steps with memory to spare it grows the
+micro-batch back (see :class:`batchpilot.policy.MicroBatchPolicy`).
+
+Loss weighting. ``loss_fn(model, micro_batch)`` returns either the micro-batch's mean loss,
+which is weighted by ``micro_size / batch_size`` so that uneven micro-batches give the exact
+mean over the batch, or a ``(sum, count)`` pair (token-level losses): every micro-batch's
+backward runs on ``sum / global_batch_size`` and, once all counts are known, the gradients are
+multiplied by ``global_batch_size / total_count`` -- exactly ``d(total_sum / total_count)``
+with one extra pass over the gradients and magnitudes like a per-sample loss (fp16-safe).
+
+Retries. The failed attempt's BatchNorm running statistics and the torch RNG state are put
+back before the retry, so the retried step is the one a run at the smaller micro-batch would
+have made. BatchNorm statistics themselves are per micro-batch, as in every accumulation
+scheme: with BatchNorm the update depends on the micro-batch size (without it, it does not).
+
+Data parallel. Under ``DistributedDataParallel`` every micro-batch but the last runs under
+``no_sync``. With more than one rank, pass a coordinator (``batchpilot.distributed``) that
+agrees on every OOM and defers the gradient all-reduce until all ranks succeeded (see
+:class:`Coordinator`); the default :class:`LocalCoordinator` is for one process.
+
+Memory figures. The peak of each step comes from the device's probe
+(:func:`batchpilot.memory.get_probe`). On accelerators it is exact and free to read. On CPU it
+is exact only inside a :class:`~batchpilot.memory.StorageTracker` (``emulate_capacity`` or
+``track_peak`` around the training loop); outside one ``StepResult.peak_bytes`` is the
+process's peak resident set size, reported but never used for decisions, so on an untracked
+CPU the engine shrinks on OOM and does not grow back or react to pressure.
+
+Synchronisation. The step does not wait for the device: the loss is accumulated as a tensor
+and ``StepResult.loss`` converts it on first access (that is the CPU-GPU sync point). fp16
+adds one sync per step, reading the ``GradScaler``'s scale to report skipped steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .batching import split_sizes
+from .find import find_batch_size
+from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
+from .microbatch import BatchSplitter, as_loss_fn
+from .oom import attempt
+from .policy import MicroBatchPolicy, PeakFit, accum_steps
+
+__all__ = [
+    "BatchDoesNotFitError",
+    "Coordinator",
+    "Engine",
+    "EngineConfig",
+    "LocalCoordinator",
+    "StepResult",
+]
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_STATE_VERSION = 1
+
+
+class BatchDoesNotFitError(RuntimeError):
+    """Even a micro-batch of one sample runs out of memory."""
+
+
+@runtime_checkable
+class Coordinator(Protocol):
+    """How the engine agrees with the other data-parallel ranks.
+
+    Every rank makes the same calls in the same order, so collectives inside them pair up:
+
+    1. ``agree_micro_batch(size)`` when a ``"auto"`` engine picks its first micro-batch;
+    2. per attempt at the global batch, ``agree_oom(oom)`` once the local attempt has returned
+       or failed (never inside an ``except`` block); after an agreed OOM, an ``"auto"`` engine
+       calls ``agree_micro_batch(smaller)`` and retries, a fixed one raises on every rank;
+    3. after the successful attempt, ``sync_gradients(model)`` if ``defer_grad_sync``, then
+       ``total_count(count)`` for ``(sum, count)`` losses;
+    4. at the end of an ``"auto"`` step, ``agree_micro_batch(next_size)``.
+
+    Attributes:
+        world_size: data-parallel ranks; gradients arrive averaged over them.
+        defer_grad_sync: ``False``: under DDP the last micro-batch's backward all-reduces the
+            gradients as usual (an OOM inside it on one rank cannot be agreed on). ``True``:
+            every micro-batch runs under ``no_sync`` and, once :meth:`agree_oom` says no rank
+            ran out of memory, :meth:`sync_gradients` averages the gradients (of a DDP-wrapped
+            model or of a plain one).
+    """
+
+    world_size: int
+    defer_grad_sync: bool
+
+    def agree_oom(self, oom: bool) -> bool:
+        """True when any rank ran out of memory in this attempt."""
+
+    def agree_micro_batch(self, size: int) -> int:
+        """The micro-batch every rank uses next (e.g. the minimum of the proposals)."""
+
+    def total_count(self, count: Any) -> Any:
+        """Sum of the ``(sum, count)`` losses' counts over all ranks."""
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Average the gradients over ranks; called only when ``defer_grad_sync``."""
+
+
+class LocalCoordinator:
+    """One process: every agreement is the local answer."""
+
+    world_size = 1
+    defer_grad_sync = False
+
+    def agree_oom(self, oom: bool) -> bool:
+        return oom
+
+    def agree_micro_batch(self, size: int) -> int:
+        return size
+
+    def total_count(self, count: Any) -> Any:
+        return count
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        return None
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The engine's adaptive knobs.
+
+    Attributes:
+        grow_after: clean steps before the micro-batch may grow (doubles after a failed growth).
+        backoff: factor by which ``grow_after``'s wait grows after a growth that ran out of memory.
+        max_wait: cap on that wait, in steps; ``None`` for no cap.
+        high_water: a step whose peak exceeds ``high_water × capacity`` shrinks the next one.
+        adapt: grow after clean steps and shrink on pressure; ``False`` keeps only the OOM retry.
+        capacity: bytes (or ``"24GiB"``) to plan against instead of the device's capacity.
+        restore_buffers: on retry, put BatchNorm running statistics back as they were before the
+            failed attempt (cost: one in-place copy of those buffers per step).
+        restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
+        find_options: extra keyword arguments for :func:`batchpilot.find.find_batch_size` when
+            ``micro_batch_size="auto"`` and no ``start`` is given.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    grow_after: int = 50
+    backoff: float = 2.0
+    max_wait: int | None = None
+    high_water: float = 0.95
+    adapt: bool = True
+    capacity: int | str | None = None
+    restore_buffers: bool = True
+    restore_rng: bool = True
+    find_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive_int("grow_after", self.grow_after)
+        if self.max_wait is not None:
+            _positive_int("max_wait", self.max_wait)
+        if not (isinstance(self.backoff, numbers.Real) and self.backoff >= 1):
+            raise ValueError(f"backoff must be a number >= 1, got {self.backoff!r}")
+        if not (isinstance(self.high_water, numbers.Real) and 0 < self.high_water <= 1):
+            raise ValueError(f"high_water must be a fraction of capacity in (0, 1], got {self.high_water!r}")
+        if self.capacity is not None:
+            self.capacity = parse_bytes(self.capacity)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What one :meth:`Engine.step` did.
+
+    Attributes:
+        loss_tensor: the loss over the whole batch (0-dim, detached, on the device); for
+            ``(sum, count)`` losses this rank's sum over this rank's count.
+        micro_batch_size: the micro-batch of the attempt that succeeded.
+        accum_steps: micro-batches in that attempt (the last may be smaller).
+        samples: samples in the batch (dim 0).
+        ooms: OOMs retried within this step.
+        peak_bytes: peak memory of the successful attempt (see ``measured``).
+        measured: ``peak_bytes`` is exact (accelerator, or CPU inside a storage tracker);
+            otherwise it is the process's peak resident set size so far (``getrusage``).
+        seconds: wall time of the step (host time; the device may still be running).
+        skipped: fp16 only: the ``GradScaler`` skipped the optimizer step (inf/NaN gradients).
+        pressure: the peak was above the high-water mark (or the CUDA allocator retried).
+        next_micro_batch_size: the micro-batch the next step starts with.
+        grad_norm: total gradient norm before clipping, when ``grad_clip`` is set.
+    """
+
+    loss_tensor: torch.Tensor
+    micro_batch_size: int
+    accum_steps: int
+    samples: int
+    ooms: int
+    peak_bytes: int
+    measured: bool
+    seconds: float
+    skipped: bool = False
+    pressure: bool = False
+    next_micro_batch_size: int = 0
+    grad_norm: torch.Tensor | None = None
+
+    @property
+    def loss(self) -> float:
+        """The loss as a float; on an accelerator this waits for the step (a sync point)."""
+        return float(self.loss_tensor)
+
+
+@dataclass
+class _Accumulated:
+    loss: torch.Tensor
+    count: Any
+    mode: str
+    sizes: list[int]
+
+
+class Engine:
+    """Train on a fixed global batch with a micro-batch that adapts to the memory.
+
+    Args:
+        model: the module (optionally wrapped in ``DistributedDataParallel``).
+        optimizer: its optimizer; the engine calls ``step`` once per global batch.
+        loss_fn: ``loss_fn(model, micro_batch)`` returning the micro-batch's mean loss (0-dim
+            tensor) or ``(sum, count)``; or a torch criterion (``nn.CrossEntropyLoss()``), which
+            is applied as ``criterion(model(inputs), targets)`` to ``(inputs, targets)`` batches.
+        global_batch_size: samples per optimizer step on this rank.
+        micro_batch_size: ``"auto"`` (adapt; start from ``start``, else from the finder) or a
+            fixed int (no adaptation; an OOM raises after the partial gradients are dropped).
+        start: first micro-batch for ``"auto"``; ``None`` runs
+            :func:`~batchpilot.find.find_batch_size` on the first batch.
+        device: where micro-batches go and memory is measured; default: the model's.
+        amp: ``None``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and ``GradScaler``).
+        grad_clip: clip the total gradient norm to this (unscaled first under fp16).
+        target: fraction of capacity a grown micro-batch's predicted peak may use.
+        scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
+            optimizer step (not on skipped fp16 steps). Checkpoint it yourself.
+        coordinator: agreement with other ranks; default :class:`LocalCoordinator`.
+        config: adaptive knobs, see :class:`EngineConfig`.
+
+    Raises:
+        ValueError: a batch size that is not a positive int, a fixed micro-batch larger than the
+            global batch, ``target`` outside (0, 1) or not below ``config.high_water``, an
+            unknown ``amp``, a ``start`` with a fixed micro-batch.
+        TypeError: ``loss_fn`` is not callable.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Any,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | Literal["auto"] = "auto",
+        start: int | None = None,
+        device: torch.device | str | None = None,
+        amp: str | torch.dtype | None = None,
+        grad_clip: float | None = None,
+        target: float = 0.8,
+        scheduler: Any = None,
+        coordinator: Coordinator | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
+        self.config = config if config is not None else EngineConfig()
+        if micro_batch_size == "auto":
+            self.fixed = False
+            if start is not None:
+                _positive_int("start", start)
+                if start > self.global_batch_size:
+                    raise ValueError(
+                        f"start={start} is larger than global_batch_size={self.global_batch_size}; "
+                        "the micro-batch can be at most the global batch"
+                    )
+        else:
+            _positive_int("micro_batch_size", micro_batch_size, extra=' or "auto"')
+            if micro_batch_size > self.global_batch_size:
+                raise ValueError(
+                    f"micro_batch_size={micro_batch_size} is larger than global_batch_size="
+                    f"{self.global_batch_size}; use at most {self.global_batch_size}, or raise the global batch"
+                )
+            if start is not None:
+                raise ValueError('start only applies to micro_batch_size="auto"')
+            self.fixed = True
+        if not (isinstance(target, numbers.Real) and 0 < target < 1):
+            raise ValueError(f"target must be a fraction of capacity in (0, 1), got {target!r}")
+        if target >= self.config.high_water:
+            raise ValueError(
+                f"target {target} must be below config.high_water {self.config.high_water}, "
+                "or every grown micro-batch would count as memory pressure"
+            )
+        if grad_clip is not None and not (isinstance(grad_clip, numbers.Real) and grad_clip > 0):
+            raise ValueError(f"grad_clip must be a positive max norm, got {grad_clip!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = as_loss_fn(loss_fn)
+        self.target = float(target)
+        self.grad_clip = grad_clip
+        self.scheduler = scheduler
+        self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
+        self.device = resolve_device(device if device is not None else _model_device(model))
+        self.amp_dtype = _amp_dtype(amp)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
+        self.steps = 0
+        self.micro_batch_size: int | None = None if not self.fixed else int(micro_batch_size)
+        self.policy: MicroBatchPolicy | None = None
+        self.fit = PeakFit()
+        self._start = start
+        self._probe = get_probe(self.device)
+        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._norm_buffers = _running_stat_buffers(model) if self.config.restore_buffers else []
+        self._saved_buffers: list[torch.Tensor] | None = None
+        self._rng: torch.Tensor | None = None
+        self._device_rng: torch.Tensor | None = None
+        self._last_scale: float | None = None
+        self._futile_warned = False
+        self._alloc_retries = _alloc_retries(self.device)
+        if self._ddp and self.coordinator.world_size == 1 and _dist_world_size() > 1:
+            logger.warning(
+                "DDP over %d ranks with the LocalCoordinator: an OOM on one rank is not agreed on "
+                "and (sum, count) losses are normalised per rank; pass batchpilot.distributed's "
+                "coordinator", _dist_world_size(),
+            )
+
+    # ------------------------------------------------------------------ public
+    def step(self, batch: Any) -> StepResult:
+        """Train on one global batch: accumulate over micro-batches, step the optimizer once.
+
+        A batch smaller than ``global_batch_size`` (the last of an epoch) is allowed: its loss
+        is the mean over the samples it has, as in a plain loop with ``drop_last=False``.
+
+        Raises:
+            ValueError: the batch has no batch dimension, its tensors disagree on it, it is
+                larger than ``global_batch_size``, or ``loss_fn`` returned something other than
+                a 0-dim tensor or a ``(sum, count)`` pair.
+            BatchDoesNotFitError: a micro-batch of 1 runs out of memory.
+            torch.OutOfMemoryError: an OOM with a fixed ``micro_batch_size`` (on every rank when
+                any rank ran out), after the partial gradients were dropped. An OOM in the
+                optimizer step itself (e.g. Adam creating its state) is not retried either: a
+                smaller micro-batch would not shrink it.
+        """
+        t0 = time.perf_counter()
+        split = BatchSplitter(batch)
+        n = split.size
+        if n > self.global_batch_size:
+            raise ValueError(
+                f"the batch has {n} samples but global_batch_size is {self.global_batch_size}; "
+                "give the engine one global batch per step (a DataLoader with "
+                "batch_size=global_batch_size), or raise global_batch_size"
+            )
+        if self.micro_batch_size is None:
+            self._initialise(split)
+        measured = self._measured()
+        probe = self._probe
+        if not self.fixed:
+            self._snapshot()
+        ooms = 0
+        start_bytes = 0
+        try:
+            while True:
+                micro = min(self.micro_batch_size, n)
+                if measured:
+                    probe.reset_peak()
+                    start_bytes = probe.allocated()
+                # attempt() frees memory outside its except block; agree_oom runs on every rank
+                outcome = attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
+                if not self.coordinator.agree_oom(outcome.oom):
+                    acc = outcome.result
+                    break
+                message = outcome.message or "another rank ran out of memory"
+                del outcome
+                # another rank's OOM leaves this rank's complete gradients unusable too
+                self._drop_grads()
+                ooms += 1
+                if self.fixed:
+                    raise torch.OutOfMemoryError(
+                        f"out of memory at the fixed micro-batch {micro} on {self.device}: {message}; "
+                        'micro_batch_size="auto" shrinks and retries instead'
+                    )
+                self._restore()
+                self._shrink_after_oom(micro, measured, message)
+            grad_norm, skipped = self._apply(acc)
+        except BaseException:
+            self._drop_grads()
+            raise
+        self.steps += 1
+        peak = probe.peak() if measured else _host_peak_rss()
+        pressure = False
+        if not self.fixed:
+            pressure = self._adapt(acc.sizes[0], peak, start_bytes, measured, ooms)
+        return StepResult(
+            loss_tensor=acc.loss,
+            micro_batch_size=acc.sizes[0],
+            accum_steps=len(acc.sizes),
+            samples=n,
+            ooms=ooms,
+            peak_bytes=int(peak),
+            measured=measured,
+            seconds=time.perf_counter() - t0,
+            skipped=skipped,
+            pressure=pressure,
+            next_micro_batch_size=self.micro_batch_size,
+            grad_norm=grad_norm,
+        )
+
+    @property
+    def accum_steps(self) -> int | None:
+        """Micro-batches per full global batch at the current micro-batch (``None`` before the first step)."""
+        return None if self.micro_batch_size is None else accum_steps(self.global_batch_size, self.micro_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
+
+        Model, optimizer and scheduler are the caller's to checkpoint.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "steps": self.steps,
+            "policy": None if self.policy is None else self.policy.state_dict(),
+            "fit": self.fit.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next step uses the saved micro-batch without probing.
+
+        A micro-batch saved under a larger global batch is clamped to this one. A fixed
+        ``micro_batch_size`` given to the constructor wins over the saved one.
+
+        Raises:
+            ValueError: the state comes from an unknown version.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"engine state version {state.get('version')!r} is not {_STATE_VERSION}")
+        self.steps = int(state["steps"])
+        self.fit.load_state_dict(state["fit"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+            self._last_scale = None
+        saved = state.get("micro_batch_size")
+        if self.fixed or saved is None:
+            return
+        self._make_policy(min(int(saved), self.global_batch_size))
+        if state.get("policy") is not None:
+            self.policy.load_state_dict(state["policy"])
+        self.micro_batch_size = self.policy.micro
+
+    # ------------------------------------------------------------------ setup
+    def _initialise(self, split: BatchSplitter) -> None:
+        start = self._start
+        if start is None:
+            start = self._find_start(split)
+        self._make_policy(min(start, self.global_batch_size))
+        self.micro_batch_size = self.coordinator.agree_micro_batch(self.policy.micro)
+        self.policy.adopt(self.micro_batch_size)
+        self.micro_batch_size = self.policy.micro
+        logger.info("micro-batch %d for global batch %d", self.micro_batch_size, self.global_batch_size)
+
+    def _make_policy(self, micro: int) -> None:
+        cfg = self.config
+        self.policy = MicroBatchPolicy(
+            limit=self.global_batch_size, micro=micro, grow_after=cfg.grow_after,
+            backoff=cfg.backoff, max_wait=cfg.max_wait,
+        )
+
+    def _find_start(self, split: BatchSplitter) -> int:
+        """The finder's micro-batch, probed on the first batch's samples; all state put back."""
+
+        def trial(b: int) -> None:
+            # no DDP all-reduce: each rank probes alone, then agree_micro_batch takes the minimum
+            self._accumulate(BatchSplitter(split.slice(0, b)), b, use_scaler=False, sync=False)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        options = dict(self.config.find_options)
+        options.setdefault("target", self.target)
+        if self.config.capacity is not None:
+            options.setdefault("capacity", self.config.capacity)
+        plan = find_batch_size(
+            trial, device=self.device, max_batch_size=min(split.size, self.global_batch_size),
+            restore=(self.model, self.optimizer), **options,
+        )
+        fit = plan.fit
+        if fit is not None and fit.bytes_per_sample > 0:
+            # the finder's line is absolute; the engine models the increase over what is in use
+            fixed = max(0.0, float(fit.fixed_bytes) - self._probe.allocated()) if self._measured() else 0.0
+            self.fit.prior = (fixed, float(fit.bytes_per_sample))
+        return max(1, int(plan.batch_size))
+
+    # ------------------------------------------------------------------ the step
+    def _accumulate(
+        self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, sync: bool = True
+    ) -> _Accumulated:
+        n = split.size
+        sizes = split_sizes(n, micro)
+        last = len(sizes) - 1
+        scaler = self.scaler if use_scaler else None
+        total = None
+        count: Any = 0
+        mode = None
+        start = 0
+        for i, size in enumerate(sizes):
+            mb = split.slice(start, size, self.device)
+            start += size
+            # DDP all-reduces in the backward of the last micro-batch only, unless deferred.
+            quiet = self._ddp and (i < last or self.coordinator.defer_grad_sync or not sync)
+            with self.model.no_sync() if quiet else contextlib.nullcontext():
+                with self._autocast():
+                    out = self.loss_fn(self.model, mb)
+                loss, c, kind = _parse_loss(out)
+                if mode is None:
+                    mode = kind
+                elif kind != mode:
+                    raise ValueError("loss_fn returned a mean for one micro-batch and (sum, count) for another")
+                if kind == "mean":
+                    # weight by sample count: uneven micro-batches still give the batch mean
+                    scaled = loss if size == n else loss * (size / n)
+                    term = scaled.detach()
+                else:
+                    # a rank-independent constant keeps magnitudes per-sample; the exact total
+                    # count divides the gradients once all micro-batches are done (_apply)
+                    scaled = loss / self.global_batch_size
+                    term = loss.detach()
+                    count = count + c
+                if scaler is not None:
+                    scaled = scaler.scale(scaled)
+                scaled.backward()
+            del out, loss, scaled, mb
+            if term.dtype != torch.float32:
+                term = term.float()
+            total = term if total is None else total + term
+        assert total is not None and mode is not None
+        return _Accumulated(loss=total, count=count, mode=mode, sizes=sizes)
+
+    def _apply(self, acc: _Accumulated) -> tuple[torch.Tensor | None, bool]:
+        """Synchronise and normalise the accumulated gradients, then step the optimizer once."""
+        coord = self.coordinator
+        if coord.defer_grad_sync:
+            coord.sync_gradients(self.model)
+        if acc.mode == "sum":
+            total = coord.total_count(acc.count)
+            if isinstance(total, numbers.Real) and total <= 0:
+                raise ValueError(f"the (sum, count) loss counted {total} elements in the whole batch; nothing to average")
+            grads = [p.grad for p in self._params if p.grad is not None]
+            # DDP averaged over ranks; world × N / total undoes that and divides by the global count.
+            factor = coord.world_size * self.global_batch_size / total
+            if grads:
+                if isinstance(factor, torch.Tensor):
+                    factor = factor.to(grads[0].device)
+                torch._foreach_mul_(grads, factor)
+            acc.loss = acc.loss / acc.count
+        grad_norm = None
+        skipped = False
+        scaler = self.scaler
+        if scaler is not None:
+            if self.grad_clip is not None:
+                scaler.unscale_(self.optimizer)
+                grad_norm = nn.utils.clip_grad_norm_(self._opt_params, self.grad_clip)
+            if self._last_scale is None:
+                self._last_scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            scale = scaler.get_scale()  # a sync point: the scale is a device tensor
+            skipped = scale < self._last_scale
+            self._last_scale = scale
+        else:
+            if self.grad_clip is not None:
+                grad_norm = nn.utils.clip_grad_norm_(self._opt_params, self.grad_clip)
+            self.optimizer.step()
+        if self.scheduler is not None and not skipped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _drop_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ retry state
+    def _snapshot(self) -> None:
+        if self._norm_buffers:
+            if self._saved_buffers is None:
+                self._saved_buffers = [b.detach().clone() for b in self._norm_buffers]
+            else:
+                torch._foreach_copy_(self._saved_buffers, self._norm_buffers)
+        if self.config.restore_rng:
+            self._rng = torch.get_rng_state()
+            self._device_rng = (
+                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            )
+
+    def _restore(self) -> None:
+        if self._saved_buffers is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self._norm_buffers, self._saved_buffers)
+        if self.config.restore_rng:
+            torch.set_rng_state(self._rng)
+            if self._device_rng is not None:
+                torch.cuda.set_rng_state(self._device_rng, self.device)
+
+    # ------------------------------------------------------------------ adaptation
+    def _measured(self) -> bool:
+        # on CPU only a storage tracker gives exact bytes; RSS is no basis for decisions
+        return self.device.type != "cpu" or active_tracker(self.device) is not None
+
+    def _capacity(self) -> int:
+        return self.config.capacity if self.config.capacity is not None else self._probe.capacity()
+
+    def _max_fitting(self, measured: bool) -> int | None:
+        """Largest micro-batch the memory model fits under ``target`` from the bytes in use now."""
+        if not measured or not self.config.adapt:
+            return None
+        return self.fit.max_fitting(self.target * self._capacity(), self._probe.allocated())
+
+    def _shrink_after_oom(self, micro: int, measured: bool, message: str) -> None:
+        policy = self.policy
+        new = policy.on_oom(self._max_fitting(measured))
+        if new is None:
+            capacity = self._capacity()
+            raise BatchDoesNotFitError(
+                f"out of memory at a micro-batch of 1 sample on {self.device} (capacity "
+                f"{format_bytes(capacity)}; {message}): the model, its gradients and optimizer "
+                "state do not fit; use a smaller model, mixed precision (amp='bf16'), or a larger device"
+            )
+        policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
+        self.micro_batch_size = policy.micro
+        logger.warning(
+            "out of memory at micro-batch %d; retrying the global batch of %d at micro-batch %d",
+            micro, self.global_batch_size, self.micro_batch_size,
+        )
+
+    def _adapt(self, micro: int, peak: int, start_bytes: int, measured: bool, ooms: int) -> bool:
+        """Feed the step's outcome to the policy; agree on the next micro-batch. True on pressure."""
+        policy = self.policy
+        pressure = False
+        if measured and self.config.adapt:
+            capacity = self._capacity()
+            self.fit.observe(micro, peak, start_bytes)
+            retries = _alloc_retries(self.device)
+            thrashing = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
+            self._alloc_retries = retries
+            pressure = peak > self.config.high_water * capacity or thrashing
+            max_fitting = self._max_fitting(measured)
+            if pressure:
+                self._relieve(micro, peak, capacity, thrashing, max_fitting)
+            else:
+                self._futile_warned = False
+                if ooms == 0:
+                    before = policy.micro
+                    policy.on_clean(max_fitting)
+                    if policy.micro > before:
+                        predicted = self.fit.predict(policy.micro, self._probe.allocated()) or 0
+                        logger.info("growing the micro-batch %d -> %d (predicted peak %s of %s)",
+                                    before, policy.micro, format_bytes(predicted), format_bytes(capacity))
+        elif ooms == 0:
+            policy.on_clean(None)
+        policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
+        self.micro_batch_size = policy.micro
+        return pressure
+
+    def _relieve(self, micro: int, peak: int, capacity: int, thrashing: bool, max_fitting: int | None) -> None:
+        """Shrink after a step above the high-water mark, unless shrinking cannot help."""
+        policy = self.policy
+        # when the memory model says half the micro-batch peaks as high, shrinking only slows
+        # training down: weights and optimizer state, not activations, fill the memory
+        smaller = self.fit.predict(max(1, micro // 2), self._probe.allocated())
+        if smaller is not None and smaller > self.config.high_water * capacity and not policy.on_probation:
+            if not self._futile_warned:  # once per episode, not every step
+                self._futile_warned = True
+                logger.warning(
+                    "memory pressure at micro-batch %d (peak %s of %s) that a smaller micro-batch "
+                    "would not relieve: fixed memory (weights, optimizer state) fills the device",
+                    micro, format_bytes(peak), format_bytes(capacity),
+                )
+            return
+        self._futile_warned = False
+        policy.on_pressure(max_fitting)
+        logger.warning(
+            "memory pressure at micro-batch %d (peak %s of %s%s); next micro-batch %d",
+            micro, format_bytes(peak), format_bytes(capacity),
+            ", allocator retries rising" if thrashing else "", policy.micro,
+        )
+
+
+def _positive_int(name: str, value: Any, extra: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive int{extra}, got {value!r}")
+    return int(value)
+
+
+def _parse_loss(out: Any) -> tuple[torch.Tensor, Any, str]:
+    if isinstance(out, torch.Tensor):
+        loss, count, kind = out, None, "mean"
+    elif isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        loss, count, kind = out[0], out[1], "sum"
+        if not isinstance(count, (numbers.Real, torch.Tensor)) or isinstance(count, bool):
+            raise ValueError(f"the count in a (sum, count) loss must be a number or a tensor, got {type(count).__name__}")
+    else:
+        raise ValueError(
+            "loss_fn must return the micro-batch's mean loss as a 0-dim tensor, or a (sum, count) "
+            f"pair; got {type(out).__name__}"
+        )
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn returned a loss of shape {tuple(loss.shape)}, not a scalar; reduce it "
+            "(loss.mean(), or return (loss.sum(), count) for a per-element average)"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: was it computed under torch.no_grad(), from "
+            "detached outputs, or with every parameter frozen?"
+        )
+    return loss, count, kind
+
+
+def _amp_dtype(amp: str | torch.dtype | None) -> torch.dtype | None:
+    if amp is None or isinstance(amp, torch.dtype) and amp in (torch.bfloat16, torch.float16):
+        return amp
+    if isinstance(amp, str) and amp.lower() in _AMP_DTYPES:
+        return _AMP_DTYPES[amp.lower()]
+    raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _running_stat_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Buffers a forward pass mutates: BatchNorm / InstanceNorm running statistics."""
+    out = []
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats:
+            out += [b for b in (mod.running_mean, mod.running_var, mod.num_batches_tracked) if b is not None]
+    return out
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    # cudaMalloc failed, the allocator freed its cache and retried: thrashing just below an OOM
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def _host_peak_rss() -> int:
+    """The process's peak resident set size: a getrusage call, far cheaper than reading /proc."""
+    if resource is None:  # Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _dist_world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

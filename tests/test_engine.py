@@ -1,0 +1,437 @@
+"""Engine: exactness under OOM retries, loss weighting, AMP, state, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from batchpilot.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from batchpilot.memory import emulate_capacity
+from batchpilot.microbatch import BatchSplitter, batch_size_of, supervised_loss
+
+from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
+
+STEPS = 20
+
+
+# ---------------------------------------------------------------------------
+# The headline: the same 20 updates with and without OOMs
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_oom_retries_give_the_same_training(name):
+    n = GLOBAL[name]
+    # between the peaks of half and all of the global batch (optimizer state included): the
+    # global batch does not fit, at the latest from the second step on
+    capacity = (peak_at(name, n, n // 2) + peak_at(name, n, n)) // 2
+
+    model, opt = make(name)
+    ref = Engine(model, opt, CE, global_batch_size=n, micro_batch_size=n)
+    ref_losses = [ref.step(b).loss for b in batches(model, n, STEPS)]
+    ref_params = params(model)
+
+    model, opt = make(name)
+    # injected OOMs on top of the real ones: (step, loss_fn call within the step), some in the
+    # middle of a global batch, one twice in a row
+    inject = InjectOOM(CE, in_step={(3, 1), (8, 0), (13, 1), (13, 2)})
+    eng = Engine(model, opt, inject, global_batch_size=n, start=n, config=EngineConfig(grow_after=3))
+    results = []
+    with emulate_capacity(capacity, track=(model, opt)):
+        for b in batches(model, n, STEPS):
+            inject.begin_step()
+            results.append(eng.step(b))
+
+    assert_params_close(params(model), ref_params, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close([r.loss for r in results], ref_losses, rtol=1e-5, atol=1e-6)
+    ooms = sum(r.ooms for r in results)
+    assert inject.injected == 4
+    assert ooms >= inject.injected + 1  # every injected one, and real ones
+    assert min(r.micro_batch_size for r in results) <= n // 4  # the injected ones shrank further
+    assert any(r.next_micro_batch_size > r.micro_batch_size for r in results)  # and it grew back
+    assert all(r.samples == n and r.measured for r in results)
+    assert len({r.micro_batch_size for r in results}) >= 2  # the schedule really changed
+    assert eng.steps == STEPS
+
+
+def test_uneven_micro_batches_give_the_global_mean():
+    model, opt = make("mlp")
+    data = list(batches(model, 10, 5))
+    ref = [Engine(model, opt, CE, global_batch_size=10, micro_batch_size=10).step(b).loss for b in data]
+    ref_params = params(model)
+    model, opt = make("mlp")
+    eng = Engine(model, opt, CE, global_batch_size=10, micro_batch_size=4)
+    results = [eng.step(b) for b in data]
+    assert [r.accum_steps for r in results] == [3] * 5  # 4 + 4 + 2
+    assert_params_close(params(model), ref_params)
+    torch.testing.assert_close([r.loss for r in results], ref, rtol=1e-6, atol=1e-7)
+
+
+def test_last_smaller_batch_is_the_mean_over_its_own_samples():
+    # A plain loop with drop_last=False: the short batch's loss is the mean over the samples it has.
+    model, opt = make("mlp")
+    batch = next(batches(model, 7, 1))
+    plain = Engine(model, opt, CE, global_batch_size=7, micro_batch_size=7)
+    ref_loss = plain.step(batch).loss
+    ref_params = params(model)
+    model, opt = make("mlp")
+    eng = Engine(model, opt, CE, global_batch_size=10, micro_batch_size=3)
+    r = eng.step(batch)
+    assert (r.samples, r.accum_steps, r.micro_batch_size) == (7, 3, 3)  # 3 + 3 + 1
+    assert r.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_params_close(params(model), ref_params)
+
+
+# ---------------------------------------------------------------------------
+# Token-level (sum, count) losses
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=17, dim=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.out(self.embed(tokens))
+
+
+def token_batch(n=10, seq=12, vocab=17, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, seq), generator=g)
+    labels = torch.randint(0, vocab, (n, seq), generator=g)
+    lengths = torch.tensor([12, 1, 2, 12, 3, 11, 1, 12, 2, 5])[:n]  # very uneven
+    labels[torch.arange(seq) >= lengths[:, None]] = -100
+    return {"tokens": tokens, "labels": labels}
+
+
+def token_sum_loss(model, batch):
+    logits = model(batch["tokens"])
+    labels = batch["labels"]
+    total = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return total, (labels != -100).sum()
+
+
+def token_mean_loss(model, batch):
+    total, count = token_sum_loss(model, batch)
+    return total / count
+
+
+def _reference_grads(batch):
+    torch.manual_seed(0)
+    model = TinyLM()
+    total, count = token_sum_loss(model, batch)
+    (total / count).backward()
+    return total.item() / count.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def _engine_update(loss_fn, batch, micro):
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    r = Engine(model, opt, loss_fn, global_batch_size=10, micro_batch_size=micro).step(batch)
+    # with plain SGD at lr 1 the update is minus the gradient
+    return r, [b - a for a, b in zip(params(model), before)]
+
+
+@pytest.mark.parametrize("micro", [1, 3, 4, 10])
+def test_token_level_sum_count_is_exact(micro):
+    batch = token_batch()
+    ref_loss, ref = _reference_grads(batch)
+    r, grads = _engine_update(token_sum_loss, batch, micro)
+    assert r.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_params_close(grads, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_per_micro_batch_token_means_are_not_the_token_mean():
+    # The gradient-accumulation bug the (sum, count) form avoids: the test above can fail.
+    batch = token_batch()
+    _, ref = _reference_grads(batch)
+    _, grads = _engine_update(token_mean_loss, batch, 3)
+    assert not all(torch.allclose(g, r, rtol=1e-3, atol=1e-5) for g, r in zip(grads, ref))
+
+
+def test_sum_count_survives_oom_retries():
+    batch = token_batch()
+    ref_loss, ref = _reference_grads(batch)
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    inject = InjectOOM(token_sum_loss, at={0, 2})  # the batch of 10, then the second micro-batch of 5
+    r = Engine(model, opt, inject, global_batch_size=10, start=10).step(batch)
+    assert (r.ooms, r.micro_batch_size, r.accum_steps) == (2, 2, 5)
+    assert r.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_params_close([b - a for a, b in zip(params(model), before)], ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# BatchNorm: statistics depend on the micro-batch (by design); everything else holds
+
+
+def _hand_accumulation(model, opt, batch, micro):
+    x, y = batch
+    n = x.shape[0]
+    for s in range(0, n, micro):
+        xs, ys = x[s:s + micro], y[s:s + micro]
+        (nn.functional.cross_entropy(model(xs), ys) * (xs.shape[0] / n)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_batchnorm_matches_the_same_schedule_by_hand_despite_retries():
+    n = 16
+    model, opt = make("cnn", batch_norm=True)
+    data = list(batches(model, n, 6))
+    inject = InjectOOM(CE, at={0, 2, 7})
+    eng = Engine(model, opt, inject, global_batch_size=n, start=n)
+    schedule = [eng.step(b).micro_batch_size for b in data]
+    assert schedule[0] < n  # the retries shrank it
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    hand, hopt = make("cnn", batch_norm=True)
+    for b, micro in zip(data, schedule):
+        _hand_accumulation(hand, hopt, b, micro)
+    # the failed attempts' BatchNorm updates were rolled back: running stats and weights agree
+    for k, v in hand.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+    whole, wopt = make("cnn", batch_norm=True)
+    for b in data:
+        _hand_accumulation(whole, wopt, b, n)
+    # ...and differ from the whole-batch run, as in every accumulation scheme
+    assert not torch.allclose(whole.features[1].running_mean, state["features.1.running_mean"])
+
+
+# ---------------------------------------------------------------------------
+# AMP, clipping, scheduler
+
+
+def test_bf16_autocast_trains_close_to_fp32():
+    model, opt = make("mlp")
+    data = list(batches(model, 32, 5))
+    ref = [Engine(model, opt, CE, global_batch_size=32, micro_batch_size=8).step(b).loss for b in data]
+    model, opt = make("mlp")
+    eng = Engine(model, opt, CE, global_batch_size=32, micro_batch_size=8, amp="bf16")
+    seen = []
+    eng.loss_fn = lambda m, b: (seen.append(m(b[0]).dtype), CE(m, b))[1]
+    losses = [eng.step(b).loss for b in data]
+    assert seen[0] == torch.bfloat16
+    assert losses == pytest.approx(ref, rel=0.05)
+
+
+def test_fp16_scaler_skips_inf_steps_and_checkpoints():
+    model, opt = make("mlp")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    poison = {"on": False}
+
+    def loss_fn(m, b):
+        loss = CE(m, b)
+        return loss * float("inf") if poison["on"] else loss
+
+    eng = Engine(model, opt, loss_fn, global_batch_size=16, micro_batch_size=4, amp="fp16",
+                 grad_clip=1.0, scheduler=sched)
+    data = list(batches(model, 16, 3))
+    assert not eng.step(data[0]).skipped
+    scale = eng.scaler.get_scale()
+    before = params(model)
+    poison["on"] = True
+    r = eng.step(data[1])
+    assert r.skipped and eng.scaler.get_scale() == scale / 2
+    assert_params_close(params(model), before, rtol=0, atol=0)  # the optimizer did not step
+    assert sched.last_epoch == 1  # nor did the scheduler
+    poison["on"] = False
+    assert not eng.step(data[2]).skipped and sched.last_epoch == 2
+    state = eng.state_dict()
+    assert state["scaler"]["scale"] == scale / 2
+    other = Engine(model, opt, loss_fn, global_batch_size=16, micro_batch_size=4, amp="fp16")
+    other.load_state_dict(state)
+    assert other.scaler.get_scale() == scale / 2
+
+
+@pytest.mark.parametrize("amp", [None, "fp16"])
+def test_grad_clip_clips_the_unscaled_norm(amp):
+    model, opt = make("mlp")
+    batch = next(batches(model, 16, 1))
+    ref_model, _ = make("mlp")
+    CE(ref_model, batch).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters()])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = params(model)
+    r = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, amp=amp, grad_clip=0.01).step(batch)
+    tol = 1e-5 if amp is None else 2e-2  # fp16 autocast matmuls
+    assert float(r.grad_norm) == pytest.approx(float(norm), rel=tol)
+    step = torch.cat([(a - b).flatten() for a, b in zip(before, params(model))])
+    assert float(step.norm()) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_scheduler_steps_once_per_optimizer_step():
+    model, opt = make("mlp")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    steps = []
+    opt.register_step_post_hook(lambda *a: steps.append(1))
+    eng = Engine(model, opt, InjectOOM(CE, at={0, 1}), global_batch_size=32, start=32, scheduler=sched)
+    for b in batches(model, 32, 4):
+        eng.step(b)
+    assert len(steps) == 4 and sched.last_epoch == 4
+
+
+# ---------------------------------------------------------------------------
+# Results, loss conventions, pytrees
+
+
+def test_step_result_fields():
+    model, opt = make("mlp")
+    r = Engine(model, opt, CE, global_batch_size=12, micro_batch_size=5).step(next(batches(model, 12, 1)))
+    assert isinstance(r, StepResult)
+    assert (r.micro_batch_size, r.accum_steps, r.samples, r.ooms, r.skipped) == (5, 3, 12, 0, False)
+    assert isinstance(r.loss, float) and math.isfinite(r.loss)
+    assert r.loss_tensor.dim() == 0 and not r.loss_tensor.requires_grad
+    assert r.peak_bytes > 0 and not r.measured and r.seconds > 0
+
+
+def test_criterion_module_and_dict_batches():
+    model, opt = make("mlp")
+    x, y = next(batches(model, 8, 1))
+
+    def dict_loss(m, b):
+        assert b["meta"] == "kept" and b["scale"].dim() == 0
+        return nn.functional.cross_entropy(m(b["x"]), b["y"]) * b["scale"]
+
+    a = Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=8, micro_batch_size=3).step((x, y)).loss
+    model, opt = make("mlp")
+    batch = {"x": x, "y": y, "meta": "kept", "scale": torch.tensor(1.0)}
+    b = Engine(model, opt, dict_loss, global_batch_size=8, micro_batch_size=3).step(batch).loss
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_sum_reduction_criterion_is_averaged():
+    model, opt = make("mlp")
+    batch = next(batches(model, 8, 1))
+    a = Engine(model, opt, nn.CrossEntropyLoss(reduction="sum"), global_batch_size=8, micro_batch_size=3).step(batch)
+    model, opt = make("mlp")
+    b = Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=8, micro_batch_size=8).step(batch)
+    assert a.loss == pytest.approx(b.loss, rel=1e-6)
+
+
+def test_splitter_views_and_errors():
+    x = torch.arange(10.0)
+    s = BatchSplitter((x, [x * 2], "tag"))
+    part = s.slice(3, 4)
+    assert part[0].data_ptr() == x[3:].data_ptr() and part[1][0].tolist() == [6, 8, 10, 12] and part[2] == "tag"
+    with pytest.raises(ValueError, match="disagree on dim 0"):
+        batch_size_of((torch.zeros(3), torch.zeros(4)))
+    with pytest.raises(ValueError, match="no tensor with a batch dimension"):
+        batch_size_of({"a": 1, "b": torch.tensor(2.0)})
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, True, "64", None])
+def test_global_batch_must_be_a_positive_int(value):
+    model, opt = make("mlp")
+    with pytest.raises(ValueError, match="global_batch_size must be a positive int"):
+        Engine(model, opt, CE, global_batch_size=value)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(micro_batch_size=20), "micro_batch_size=20 is larger than global_batch_size=10"),
+    (dict(micro_batch_size=0), "micro_batch_size must be a positive int"),
+    (dict(micro_batch_size="big"), "micro_batch_size must be a positive int or \"auto\""),
+    (dict(start=11), "start=11 is larger than global_batch_size=10"),
+    (dict(micro_batch_size=2, start=2), "start only applies"),
+    (dict(amp="fp8"), "amp must be None, 'bf16' or 'fp16'"),
+    (dict(target=1.5), "target must be a fraction"),
+    (dict(target=0.97), "must be below config.high_water"),
+    (dict(grad_clip=-1.0), "grad_clip must be a positive"),
+])
+def test_bad_engine_arguments(kwargs, match):
+    model, opt = make("mlp")
+    with pytest.raises(ValueError, match=match):
+        Engine(model, opt, CE, global_batch_size=10, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(grow_after=0), dict(backoff=0.5), dict(high_water=1.5), dict(capacity="lots")])
+def test_bad_config(kwargs):
+    with pytest.raises(ValueError):
+        EngineConfig(**kwargs)
+
+
+def test_bad_losses_and_batches():
+    model, opt = make("mlp")
+    x, y = next(batches(model, 10, 1))
+    per_sample = Engine(model, opt, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"),
+                        global_batch_size=10, micro_batch_size=5)
+    with pytest.raises(ValueError, match=r"loss of shape \(5,\), not a scalar"):
+        per_sample.step((x, y))
+    assert all(p.grad is None for p in model.parameters())  # nothing half-accumulated is left
+    detached = Engine(model, opt, lambda m, b: CE(m, b).detach(), global_batch_size=10)
+    with pytest.raises(ValueError, match="does not require grad"):
+        detached.step((x, y))
+    with pytest.raises(ValueError, match="reduction='none'"):
+        supervised_loss(nn.CrossEntropyLoss(reduction="none"))
+    with pytest.raises(TypeError, match="must be callable"):
+        Engine(model, opt, "ce", global_batch_size=10)
+    eng = Engine(model, opt, CE, global_batch_size=4)
+    with pytest.raises(ValueError, match="the batch has 10 samples but global_batch_size is 4"):
+        eng.step((x, y))
+    with pytest.raises(ValueError, match="disagree on dim 0"):
+        eng.step((x[:4], y[:3]))
+
+
+def test_oom_at_one_sample_is_a_clear_error():
+    model, opt = make("mlp")
+    inject = InjectOOM(CE, always=True)
+    eng = Engine(model, opt, inject, global_batch_size=8, start=8)
+    with pytest.raises(BatchDoesNotFitError, match="micro-batch of 1 sample on cpu"):
+        eng.step(next(batches(model, 8, 1)))
+    assert inject.calls == 4  # 8, 4, 2, 1
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fixed_micro_batch_lets_the_oom_through():
+    model, opt = make("mlp")
+    eng = Engine(model, opt, InjectOOM(CE, at={1}), global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        eng.step(next(batches(model, 8, 1)))
+    assert all(p.grad is None for p in model.parameters())  # the first micro-batch's grads are gone
+
+
+# ---------------------------------------------------------------------------
+# State
+
+
+def test_state_dict_resumes_without_probing(monkeypatch):
+    n = GLOBAL["mlp"]
+    capacity = peak_at("mlp", n, n // 2) - 1
+    model, opt = make("mlp")
+    data = batches(model, n, 4)
+    eng = Engine(model, opt, CE, global_batch_size=n, start=n, config=EngineConfig(grow_after=100))
+    with emulate_capacity(capacity, track=(model, opt)):
+        for _ in range(3):
+            eng.step(next(data))
+    state = eng.state_dict()
+    assert set(state) == {"version", "global_batch_size", "micro_batch_size", "steps", "policy", "fit", "scaler"}
+    assert state["micro_batch_size"] < n and state["steps"] == 3
+    clean = state["policy"]["clean"]
+
+    resumed = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
+    monkeypatch.setattr(Engine, "_find_start", lambda *a: pytest.fail("resumed engine probed again"))
+    resumed.load_state_dict(state)
+    assert resumed.micro_batch_size == state["micro_batch_size"]
+    with emulate_capacity(capacity, track=(model, opt)):
+        r = resumed.step(next(data))
+    assert r.ooms == 0 and r.micro_batch_size == state["micro_batch_size"]
+    assert resumed.policy.clean == clean + 1 and resumed.steps == 4
+    assert resumed.fit.sizes == eng.fit.sizes
+
+    with pytest.raises(ValueError, match="version"):
+        resumed.load_state_dict({**state, "version": 99})
+    smaller = Engine(model, opt, CE, global_batch_size=8)
+    smaller.load_state_dict(state)
+    assert smaller.micro_batch_size == 8  # clamped to the new global batch
