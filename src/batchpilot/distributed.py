@@ -1,0 +1,574 @@
+"""Rank helpers and the agreements that keep data-parallel ranks in step.
+
+Under ``torchrun`` every rank runs the same program on its own device, and a collective
+(all-reduce, broadcast) only returns once *every* rank has entered it. A rank that takes a
+different path — it hit an OOM and went into an ``except`` block, or skipped a gradient
+all-reduce — leaves the others waiting until the process-group timeout. The rules here:
+
+* every decision that depends on memory (the batch size, "did this step OOM?") is agreed with
+  one small all-reduce that *every* rank reaches whatever happened locally: MIN for a size,
+  MAX for a failure;
+* that collective runs after the local work has returned or failed and its ``except`` block
+  has been left (the traceback of an OOM pins the activations that filled the memory, and a
+  rank that raised takes a different path). :func:`all_reduce_int` refuses to run while an OOM
+  is being handled, so a violation fails loudly instead of hanging;
+* outside a process group (or with one rank) every agreement is the local value: the same code
+  runs single-process and under ``torchrun``.
+
+:class:`DistributedCoordinator` is the engine's hook (``Engine(..., coordinator=...)``);
+:func:`find_batch_size_distributed` runs the finder on every rank and agrees on the minimum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+import logging
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .find import BatchPlan, NothingFitsError, find_batch_size
+from .oom import is_oom
+
+__all__ = [
+    "is_distributed",
+    "rank",
+    "world_size",
+    "local_rank",
+    "default_device",
+    "init_distributed",
+    "all_reduce_int",
+    "agree_min_with_rank",
+    "DistributedCoordinator",
+    "find_batch_size_distributed",
+    "unwrap_model",
+]
+
+logger = logging.getLogger(__name__)
+
+ReduceOp = Literal["min", "max", "sum"]
+
+_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+
+# Gradients smaller than this are packed into flat buckets: for them a collective's fixed
+# latency outweighs the bytes. Larger ones are all-reduced in place, which needs no copy, so
+# the sync's extra memory is at most one bucket of small gradients.
+_PACK_BELOW = 2**20
+
+
+# ---------------------------------------------------------------------------
+# Rank helpers
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; fix or unset it") from None
+
+
+def is_distributed() -> bool:
+    """True when a ``torch.distributed`` process group is initialised (any world size)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank: the process group's, else ``$RANK``, else 0."""
+    return dist.get_rank() if is_distributed() else _env_int("RANK", 0)
+
+
+def world_size() -> int:
+    """Number of ranks: the process group's, else ``$WORLD_SIZE``, else 1."""
+    return dist.get_world_size() if is_distributed() else _env_int("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    """This process's rank on its node: ``$LOCAL_RANK`` (set by torchrun), else 0.
+
+    torch.distributed keeps no local rank of its own, so the environment is the only source.
+    """
+    return _env_int("LOCAL_RANK", 0)
+
+
+def default_device() -> torch.device:
+    """The device this rank should train on: ``cuda:<local_rank>`` when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(
+    *, backend: str | None = None, timeout: timedelta = timedelta(minutes=10)
+) -> torch.device:
+    """Join the process group torchrun describes (if any) and return this rank's device.
+
+    Without ``$WORLD_SIZE`` (not launched by torchrun) nothing is initialised and the CPU or
+    the first GPU is returned, so one script runs both ways. The backend defaults to NCCL on
+    CUDA and gloo on CPU; CUDA ranks are pinned to ``cuda:<local_rank>`` first, because NCCL
+    uses the current device.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``...; ``None`` picks by device.
+        timeout: How long a collective waits for the other ranks before failing. A rank that
+            died or took another path then raises instead of hanging forever.
+
+    Raises:
+        ValueError: The torchrun environment variables are malformed.
+    """
+    device = default_device()
+    if is_distributed() or "WORLD_SIZE" not in os.environ:
+        return device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=timeout)
+    logger.info("rank %d of %d joined the %s process group on %s", rank(), world_size(), backend, device)
+    return device
+
+
+# ---------------------------------------------------------------------------
+# Collectives
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where a tensor for ``group``'s backend must live: CPU for gloo, the current GPU for NCCL."""
+    config = str(dist.get_backend_config(group))  # e.g. "gloo", "cpu:gloo,cuda:nccl"
+    if ":" in config:
+        types = [part.split(":", 1)[0] for part in config.split(",")]
+    else:
+        types = {"gloo": ["cpu"], "mpi": ["cpu"], "nccl": ["cuda"], "xccl": ["xpu"]}.get(config, ["cpu"])
+    if "cpu" in types:
+        return torch.device("cpu")
+    kind = types[0]
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def _refuse_inside_oom_handler(what: str) -> None:
+    handled = sys.exc_info()[1]
+    if handled is not None and is_oom(handled):
+        # The rank that raised would wait here while its traceback pins the activations that
+        # filled the memory, and the other ranks may be inside a different collective.
+        raise RuntimeError(
+            f"{what} called while an out-of-memory error is being handled; record the OOM, "
+            "leave the except block (batchpilot.oom.attempt does this), then agree"
+        )
+
+
+def all_reduce_int(value: int, op: ReduceOp = "min", *, group: Any = None) -> int:
+    """Reduce one integer over all ranks; the local value when not distributed.
+
+    Every rank must call it, in the same order as the other collectives. On NCCL the value
+    travels through the current GPU and ``.item()`` waits for it: a host-device sync point.
+
+    Args:
+        value: This rank's integer (int64 range).
+        op: ``"min"``, ``"max"`` or ``"sum"``.
+        group: A process group; ``None`` is the default group.
+
+    Raises:
+        ValueError: ``op`` is not one of the three.
+        RuntimeError: Called while an OOM exception is being handled (see the module docstring).
+    """
+    return _all_reduce_ints([value], op, group=group)[0]
+
+
+def _all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any) -> list[int]:
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
+    _refuse_inside_oom_handler("an agreement (all-reduce)")
+    if not is_distributed() or dist.get_world_size(group) == 1:
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(t, op=_OPS[op], group=group)
+    return t.tolist()
+
+
+def agree_min_with_rank(value: int, *, group: Any = None) -> tuple[int, int]:
+    """The minimum of ``value`` over ranks and the lowest rank that holds it, in one all-reduce.
+
+    Raises:
+        RuntimeError: As :func:`all_reduce_int`.
+    """
+    lowest, who, _ = _agree_min_rank_max(value, group=group)
+    return lowest, who
+
+
+def _agree_min_rank_max(value: int, *, group: Any) -> tuple[int, int, int]:
+    """``(min, lowest rank holding it, max)`` of ``value`` over ranks, in one all-reduce of two ints.
+
+    ``value × world + rank`` orders first by value, then by rank, so its minimum carries both;
+    the minimum of ``-value`` is minus the maximum.
+    """
+    if not is_distributed():
+        return int(value), rank(), int(value)
+    world = dist.get_world_size(group)
+    encoded, negated = _all_reduce_ints([int(value) * world + dist.get_rank(group), -int(value)], "min", group=group)
+    # Python's floor division makes the decoding exact for negative values too.
+    lowest, who = divmod(encoded, world)
+    return lowest, who, -negated
+
+
+# ---------------------------------------------------------------------------
+# The engine's coordinator
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper; any other module unchanged.
+
+    Calling the inner module runs no DDP hook and no collective (its reducer only acts on a
+    backward that follows a forward through the wrapper), so probes and trials may run a
+    different number of times on each rank.
+    """
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@dataclass(kw_only=True)
+class DistributedCoordinator:
+    """Keep ranks in step inside :class:`batchpilot.engine.Engine`: pass ``coordinator=`` it.
+
+    With ``defer_grad_sync=True`` (the default and the safe choice) the engine runs every
+    micro-batch under ``no_sync``; after the last one, :meth:`agree_oom` (all-reduce MAX of
+    "this rank ran out of memory") runs on every rank, and only if no rank failed does
+    :meth:`sync_gradients` average the gradients. A rank that failed therefore never leaves
+    another waiting inside a gradient all-reduce: all ranks drop their gradients, agree on the
+    smaller micro-batch (all-reduce MIN, :meth:`agree_micro_batch`) and retry the same batch.
+
+    The price is overlap: DDP all-reduces each gradient bucket while the rest of the last
+    backward is still running; here the all-reduce starts after the whole backward. With
+    ``defer_grad_sync=False`` the engine keeps DDP's overlapped all-reduce in the last
+    micro-batch's backward, but an OOM on one rank while another is inside that backward
+    cannot be agreed on: the collectives no longer pair up, and the job fails (at the latest at
+    the process group's timeout). Use it only where OOMs are ruled out, and give the engine a
+    ``start`` micro-batch: its finder's trials would run DDP's synchronising backward too.
+
+    Outside a process group (or with one rank) every agreement is the local value.
+
+    Args:
+        group: The process group; ``None`` is the default group.
+        defer_grad_sync: See above.
+        bucket_cap_mb: Gradients are all-reduced in flat buckets of at most this many MiB
+            (DDP's default is 25): larger buckets mean fewer collectives, more extra memory.
+        sync_buffers: After the gradients, broadcast module buffers (BatchNorm running
+            statistics) from rank 0 when the DDP wrapper would (its ``forward_sync_buffers``).
+            Under ``no_sync`` DDP stops doing so itself.
+
+    Attributes:
+        limited_by_rank: The rank whose proposal last set the agreed micro-batch below another
+            rank's (the lowest such rank); while all ranks agree it keeps its value.
+        remote_ooms: Attempts this rank retried because *another* rank ran out of memory.
+        collectives: Collectives this coordinator has run (agreements, gradient buckets, buffers).
+
+    Raises:
+        ValueError: ``bucket_cap_mb`` is not a positive number.
+    """
+
+    group: Any = None
+    defer_grad_sync: bool = True
+    bucket_cap_mb: float = 25.0
+    sync_buffers: bool = True
+    limited_by_rank: int | None = field(default=None, init=False)
+    remote_ooms: int = field(default=0, init=False)
+    collectives: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 2**20)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if is_distributed() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if is_distributed() else 0
+
+    def agree_oom(self, oom: bool) -> bool:
+        """True on every rank when any rank ran out of memory (all-reduce MAX).
+
+        Raises:
+            RuntimeError: Called while an OOM is being handled (inside its ``except`` block).
+        """
+        self.collectives += 1
+        anyone = bool(all_reduce_int(int(bool(oom)), "max", group=self.group))
+        if anyone and not oom:
+            self.remote_ooms += 1
+            logger.info("another rank ran out of memory; dropping this rank's gradients too")
+        return anyone
+
+    def agree_micro_batch(self, size: int) -> int:
+        """The smallest proposal over ranks (all-reduce MIN); records :attr:`limited_by_rank`.
+
+        Raises:
+            RuntimeError: As :meth:`agree_oom`.
+        """
+        self.collectives += 1
+        agreed, who, largest = _agree_min_rank_max(int(size), group=self.group)
+        if agreed < largest or self.limited_by_rank is None:
+            # when every rank proposes the same size, the rank that last limited it still does
+            self.limited_by_rank = who
+        if agreed != size:
+            logger.debug("micro-batch %d -> %d (limited by rank %d)", size, agreed, who)
+        return agreed
+
+    def total_count(self, count: Any) -> Any:
+        """Sum a ``(sum, count)`` loss's count over ranks; a tensor stays a tensor.
+
+        Raises:
+            RuntimeError: As :meth:`agree_oom`.
+        """
+        if self.world_size == 1:
+            return count
+        _refuse_inside_oom_handler("total_count")
+        self.collectives += 1
+        if isinstance(count, torch.Tensor):
+            total = count.detach().to(device=_collective_device(self.group), dtype=torch.float64).reshape(1)
+            dist.all_reduce(total, group=self.group)
+            return total.to(count.device, count.dtype).reshape(count.shape)
+        if isinstance(count, int):
+            return all_reduce_int(count, "sum", group=self.group)
+        total = torch.tensor([float(count)], dtype=torch.float64, device=_collective_device(self.group))
+        dist.all_reduce(total, group=self.group)
+        return float(total.item())
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Average every gradient over ranks, then (as DDP would) broadcast rank 0's buffers.
+
+        Called by the engine after :meth:`agree_oom` returned False. Gradients of 1 MiB
+        or more are all-reduced where they lie (no extra memory); smaller ones are packed into
+        flat buckets of at most ``bucket_cap_mb``, the only memory this needs. A parameter whose gradient is ``None`` on some ranks counts as zero there; it
+        stays ``None`` only if it is ``None`` on every rank, as under DDP with
+        ``find_unused_parameters=True``.
+
+        Raises:
+            ValueError: A gradient is sparse.
+            RuntimeError: As :meth:`agree_oom`.
+        """
+        world = self.world_size
+        if world == 1:
+            return
+        _refuse_inside_oom_handler("sync_gradients")
+        params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
+        if not params:
+            return
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError("sparse gradients are not supported by DistributedCoordinator.sync_gradients")
+        small = [p for p in params if _nbytes(p) < _PACK_BELOW]
+        large = [p for p in params if _nbytes(p) >= _PACK_BELOW]
+        buckets = _buckets(small, self.bucket_cap_bytes) or [[]]
+        # The first collective also carries one presence flag per parameter, so every rank knows
+        # which gradients exist anywhere before the in-place all-reduces below (which must pair up).
+        self.collectives += 1
+        present = _all_reduce_packed(buckets[0], world, self.group, flags_for=params)
+        works = []
+        for bucket in buckets[1:]:
+            self.collectives += 1
+            _all_reduce_packed(bucket, world, self.group, present=present)
+        for p in large:
+            if not present[id(p)]:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # another rank has this gradient: ours is zero
+            else:
+                # dividing first keeps fp16 sums in range, as DDP's gradient pre-division does
+                p.grad.div_(world)
+            self.collectives += 1
+            works.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+        if self.sync_buffers and _syncs_buffers(model):
+            for bucket in _buckets(list(unwrap_model(model).buffers()), self.bucket_cap_bytes):
+                self.collectives += 1
+                _broadcast_bucket(bucket, self.group)
+
+
+def _syncs_buffers(model: nn.Module) -> bool:
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return False
+    return bool(getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False)))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype and device, at most ``cap_bytes`` per bucket.
+
+    Every rank holds the same parameters in the same order, so the buckets pair up.
+    """
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        last = buckets[-1] if buckets else None
+        if last is None or size + _nbytes(t) > cap_bytes or (t.dtype, t.device) != (last[0].dtype, last[0].device):
+            buckets.append([t])
+            size = _nbytes(t)
+        else:
+            last.append(t)
+            size += _nbytes(t)
+    return buckets
+
+
+def _all_reduce_packed(
+    params: list[torch.Tensor], world: int, group: Any, *,
+    flags_for: list[torch.Tensor] = (), present: dict[int, bool] | None = None,
+) -> dict[int, bool]:
+    """Average the gradients of ``params`` over ranks with one all-reduce of a flat copy.
+
+    With ``flags_for``, the buffer ends with one presence flag per parameter listed there
+    (1 where this rank has its gradient; summed over ranks, non-zero where any rank has it),
+    and the result is ``{id(param): present on some rank}``; otherwise ``present`` must be
+    that mapping from an earlier call. A gradient that is ``None`` here but present elsewhere
+    is created. The copy is allocated after the backward, when the step's activations are gone.
+    """
+    anchor = params[0] if params else flags_for[0]
+    # flags ride in the bucket's own dtype: a sum of 0s and 1s is non-zero exactly when one was 1
+    dtype = anchor.dtype if anchor.is_floating_point() else torch.float32
+    numels = [p.numel() for p in params]
+    flat = torch.empty(sum(numels) + len(flags_for), dtype=dtype, device=anchor.device)
+    offset = 0
+    for p, n in zip(params, numels):
+        view = flat.narrow(0, offset, n)
+        if p.grad is None:
+            view.zero_()
+        else:
+            torch.div(p.grad.reshape(-1), world, out=view)
+        offset += n
+    if flags_for:
+        flags = torch.tensor([p.grad is not None for p in flags_for], dtype=dtype)
+        flat.narrow(0, offset, len(flags_for)).copy_(flags)
+    dist.all_reduce(flat, group=group)
+    if flags_for:
+        present = {id(p): v != 0 for p, v in zip(flags_for, flat.narrow(0, offset, len(flags_for)).tolist())}
+    assert present is not None
+    offset = 0
+    for p, n in zip(params, numels):
+        view = flat.narrow(0, offset, n).view_as(p)
+        offset += n
+        if p.grad is not None:
+            p.grad.copy_(view)
+        elif present[id(p)]:
+            p.grad = view.clone()
+    return present
+
+
+def _broadcast_bucket(buffers: list[torch.Tensor], group: Any) -> None:
+    """Overwrite ``buffers`` with rank 0's values, in one broadcast."""
+    with torch.no_grad():
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        # the group's rank 0, which DDP treats as authoritative
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat.narrow(0, offset, b.numel()).view_as(b))
+            offset += b.numel()
+
+
+# ---------------------------------------------------------------------------
+# The finder on every rank
+
+# What a rank contributes to the agreement when its local search did not produce a size.
+_NOTHING_FITS = 0
+_FAILED = -1
+
+
+@contextlib.contextmanager
+def _forbid_wrapper_calls(wrappers: list[nn.Module]) -> Iterator[None]:
+    """Fail a probe that runs the DDP wrapper's forward (its buffer broadcast is a collective)."""
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        raise RuntimeError(
+            "the step passed to find_batch_size_distributed called the DistributedDataParallel "
+            "wrapper; ranks run different trials, so its collectives would not pair up. Call "
+            "the inner module (ddp_model.module, or batchpilot.distributed.unwrap_model) in the step"
+        )
+
+    handles = [w.register_forward_pre_hook(refuse) for w in wrappers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def find_batch_size_distributed(
+    step: Callable[[int], Any],
+    *,
+    restore: Iterable[Any] = (),
+    group: Any = None,
+    **options: Any,
+) -> BatchPlan:
+    """Run :func:`~batchpilot.find.find_batch_size` on every rank and agree on the smallest answer.
+
+    Each rank searches on its own device with no collective in between (ranks may run different
+    trials and OOM at different sizes); then one all-reduce MIN, after every local search has
+    returned or failed, gives all ranks the same ``batch_size``, and ``limited_by_rank`` names
+    the rank whose memory set it. The rest of the plan (trials, fit, capacity) is this rank's.
+
+    The step must run the *unwrapped* model: ``ddp_model.module`` (see :func:`unwrap_model`),
+    never the ``DistributedDataParallel`` wrapper, whose forward may broadcast buffers and whose
+    backward all-reduces gradients. Wrappers passed in ``restore`` are unwrapped for the
+    snapshot, and a step that calls one of them fails on every rank with a clear message.
+    Outside a process group this is :func:`find_batch_size` with ``limited_by_rank=0``.
+
+    Args:
+        step: ``step(batch_size)`` running one training step of the unwrapped model.
+        restore: As :func:`~batchpilot.find.find_batch_size`; DDP wrappers are unwrapped.
+        group: The process group; ``None`` is the default group.
+        **options: Any other keyword of :func:`~batchpilot.find.find_batch_size` (``device``,
+            ``target``, ``capacity``, ``strategy``, ``max_batch_size``...).
+
+    Raises:
+        NothingFitsError: Not even the smallest batch fits on some rank (on every rank; the
+            message names the rank).
+        RuntimeError: The search failed on another rank (this rank re-raises its own error).
+        BatchSizeError: Invalid options, as :func:`~batchpilot.find.find_batch_size`.
+    """
+    items = [o for o in restore if o is not None]
+    wrappers = [o for o in items if isinstance(o, nn.parallel.DistributedDataParallel)]
+    targets = [unwrap_model(o) if isinstance(o, nn.Module) else o for o in items]
+    plan: BatchPlan | None = None
+    error: Exception | None = None
+    try:
+        with _forbid_wrapper_calls(wrappers):
+            plan = find_batch_size(step, restore=targets, **options)
+    except Exception as exc:  # every rank must reach the agreement below, failed or not
+        error = exc
+    # Outside the except block: the agreement is a collective every rank reaches.
+    if plan is not None:
+        mine = plan.batch_size
+    else:
+        mine = _NOTHING_FITS if isinstance(error, NothingFitsError) else _FAILED
+    agreed, who = agree_min_with_rank(mine, group=group)
+    if agreed > 0:
+        assert plan is not None
+        if agreed < plan.batch_size:
+            logger.info("batch size %d here, %d agreed (limited by rank %d)", plan.batch_size, agreed, who)
+        return dataclasses.replace(plan, batch_size=agreed, limited_by_rank=who)
+    if error is not None and mine == agreed:
+        raise error
+    if agreed == _NOTHING_FITS:
+        raise NothingFitsError(
+            f"nothing fits on rank {who} (see its log); every rank must fit the batch, so the job "
+            "cannot run there as configured: use a smaller model, mixed precision or a larger device",
+            batch_size=int(options.get("min_batch_size", 1)), peak_bytes=None,
+            limit_bytes=plan.limit_bytes if plan is not None else 0,
+            capacity_bytes=plan.capacity if plan is not None else 0,
+        )
+    raise RuntimeError(f"the batch-size search failed on rank {who} (see its error); stopping this rank too")

@@ -1,0 +1,245 @@
+"""batchpilot.distributed: agreements, OOM on one rank, distributed finder, elastic resume.
+
+The multi-process tests launch the real launcher (torchrun, 2 ranks, gloo on CPU) once for
+most scenarios (tests/helpers/dist_worker.py); the single-rank legs of the elastic round trip
+and the references run in this process with the same code (tests/helpers/dist_common.py).
+A hang is a failure: the workers' process group times out after 60 s, the launch after 120 s
+(tests/helpers/dist_launch.py), and pytest's own timeout bounds each test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from batchpilot import distributed as bd
+from batchpilot.engine import Coordinator
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+sys.path.insert(0, str(HELPERS))
+import dist_common as dc  # noqa: E402
+from dist_launch import ROOT, torchrun  # noqa: E402
+
+WORKER = HELPERS / "dist_worker.py"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _load(out: Path, name: str) -> dict:
+    return json.loads((out / name).read_text())
+
+
+def _assert_params_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """One 2-rank launch for every scenario, between the two single-rank elastic legs."""
+    out = tmp_path_factory.mktemp("dist")
+    # 1 rank: 3 steps of the epoch, then a checkpoint the 2-rank run resumes from
+    dc.run_elastic(out, "save1", steps=3, save=out / "ckpt1.pt")
+    torchrun(
+        WORKER, str(out), "collectives", "find", "oom", "elastic-resume", "elastic-save",
+        env={"ELASTIC_RESUME": str(out / "ckpt1.pt"), "ELASTIC_SAVE": str(out / "ckpt2.pt")},
+        timeout=180,
+    )
+    # 1 rank again: resume the 2-rank checkpoint and finish the epoch
+    dc.run_elastic(out, "resume1", steps=None, resume=out / "ckpt2.pt")
+    return out
+
+
+# -- without a process group ---------------------------------------------------------------------
+
+
+def test_rank_helpers_read_torchrun_environment(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert (bd.is_distributed(), bd.rank(), bd.world_size(), bd.local_rank()) == (False, 0, 1, 0)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (bd.rank(), bd.world_size(), bd.local_rank()) == (3, 4, 1)
+    monkeypatch.setenv("RANK", "three")
+    with pytest.raises(ValueError, match="RANK='three'"):
+        bd.rank()
+
+
+def test_agreements_are_local_without_a_process_group():
+    assert bd.all_reduce_int(7, "min") == 7
+    assert bd.agree_min_with_rank(5) == (5, 0)
+    with pytest.raises(ValueError, match="op must be one of"):
+        bd.all_reduce_int(1, "mean")
+    coord = bd.DistributedCoordinator()
+    assert isinstance(coord, Coordinator)  # the engine's hook
+    assert coord.world_size == 1 and coord.defer_grad_sync
+    assert coord.agree_oom(True) is True and coord.agree_oom(False) is False
+    assert coord.agree_micro_batch(12) == 12 and coord.limited_by_rank == 0
+    assert coord.total_count(torch.tensor(5.0)).item() == 5.0
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.grad.clone()
+    coord.sync_gradients(model)
+    assert torch.equal(model.weight.grad, before)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        bd.DistributedCoordinator(bucket_cap_mb=0)
+
+
+def test_no_agreement_inside_an_oom_handler():
+    coord = bd.DistributedCoordinator()
+    try:
+        raise torch.OutOfMemoryError("simulated")
+    except torch.OutOfMemoryError:
+        with pytest.raises(RuntimeError, match="leave the except block"):
+            coord.agree_oom(True)
+        with pytest.raises(RuntimeError, match="leave the except block"):
+            bd.all_reduce_int(1, "max")
+    try:
+        raise KeyError("not an OOM")
+    except KeyError:
+        assert coord.agree_oom(False) is False  # only an OOM's handler pins the failed attempt
+    assert coord.agree_oom(True) is True  # after the except block: fine
+
+
+def test_buckets_split_by_dtype_and_cap():
+    a, b = torch.zeros(10), torch.zeros(10)  # 40 bytes each
+    c = torch.zeros(10, dtype=torch.bfloat16)
+    d = torch.zeros(30)
+    assert [len(x) for x in bd._buckets([a, b, c, d], cap_bytes=100)] == [2, 1, 1]
+    assert [len(x) for x in bd._buckets([a, b, d], cap_bytes=80)] == [2, 1]
+    assert bd._buckets([], cap_bytes=80) == []
+
+
+def test_unwrap_model_leaves_plain_modules_alone():
+    m = nn.Linear(2, 2)
+    assert bd.unwrap_model(m) is m
+
+
+def test_find_without_a_process_group_is_the_local_search():
+    model, opt = dc.oom_model()
+    x, y = torch.randn(64, dc.OOM_FEATURES), torch.randint(0, 10, (64,))
+
+    def step(b: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        dc.ce_loss(model, (x[:b].clone(), y[:b].clone())).backward()
+        opt.step()
+
+    plan = bd.find_batch_size_distributed(step, device="cpu", capacity="4MiB", max_batch_size=64,
+                                          restore=(model, opt))
+    assert plan.batch_size == 64 and plan.limited_by_rank == 0
+
+
+# -- 2 ranks under torchrun ----------------------------------------------------------------------
+
+
+def test_collectives_agree_on_min_max_sum_and_rank(launched):
+    r0, r1 = (_load(launched, f"collectives_rank{r}.json") for r in (0, 1))
+    for rank, r in enumerate((r0, r1)):
+        assert (r["rank"], r["world"], r["local_rank"]) == (rank, 2, rank)
+        assert (r["min"], r["max"], r["sum"]) == (10, 11, 21)
+        assert r["min_with_rank"] == [2, 1]
+        assert r["tie"] == [7, 0]
+        assert r["negative"] == [-4, 1]
+
+
+def test_sync_gradients_averages_like_ddp(launched):
+    for rank in (0, 1):
+        r = _load(launched, f"collectives_rank{rank}.json")
+        # (rank-0 value + rank-1 value) / 2, a missing gradient counting as zero
+        assert r["grads"] == {
+            "both": [1.5], "only_rank1": [2.0], "nowhere": None,
+            "large": [3.0], "large_only_rank0": [3.0], "low": [1.0],
+        }
+        assert r["buffer"] == [10.0, 10.0, 10.0]  # rank 0's buffers, as DDP broadcasts them
+
+
+def test_finder_agrees_on_the_minimum_and_names_the_limiting_rank(launched):
+    r0, r1 = (_load(launched, f"find_rank{r}.json") for r in (0, 1))
+    assert r0["plan"]["batch_size"] == r1["plan"]["batch_size"] == r1["plan"]["local_best"]
+    assert r0["plan"]["local_best"] > r1["plan"]["local_best"]
+    assert r0["plan"]["limited_by_rank"] == r1["plan"]["limited_by_rank"] == 1
+    assert r0["restored"] and r1["restored"]
+
+
+def test_finder_refuses_a_step_through_the_ddp_wrapper_on_every_rank(launched):
+    for rank in (0, 1):
+        wrapper = _load(launched, f"find_rank{rank}.json")["wrapper"]
+        assert wrapper["error"] == "RuntimeError"
+        assert "ddp_model.module" in wrapper["message"]
+
+
+def test_finder_failure_on_one_rank_stops_every_rank(launched):
+    r0, r1 = (_load(launched, f"find_rank{r}.json") for r in (0, 1))
+    # nothing fits on rank 1: both raise NothingFitsError, rank 0's names rank 1
+    assert r0["nothing_fits"]["error"] == r1["nothing_fits"]["error"] == "NothingFitsError"
+    assert "rank 1" in r0["nothing_fits"]["message"]
+    # the step raised on rank 0: rank 0 re-raises it, rank 1 stops naming rank 0
+    assert r0["failure"] == {"error": "ValueError", "message": "bad step on rank 0"}
+    assert r1["failure"]["error"] == "RuntimeError" and "rank 0" in r1["failure"]["message"]
+
+
+def test_oom_on_rank_one_only_keeps_ranks_identical_and_exact(launched):
+    r0, r1 = (_load(launched, f"oom_rank{r}.json") for r in (0, 1))
+    assert r1["capacity"] < r0["capacity"]
+    steps0, steps1 = r0["steps"], r1["steps"]
+    assert len(steps0) == len(steps1) == dc.OOM_STEPS
+    # both ranks retried the same steps and ran the same micro-batches
+    assert [(s["micro"], s["accum"], s["ooms"]) for s in steps0] == [(s["micro"], s["accum"], s["ooms"]) for s in steps1]
+    total = sum(s["ooms"] for s in steps1)
+    assert r1["injected"] == 1 and total >= 3  # capacity OOMs on growth, plus the injected one
+    assert r0["remote_ooms"] == total  # rank 0 never ran out itself; it followed rank 1 each time
+    assert r1["remote_ooms"] == 0
+    assert {s["micro"] for s in steps1} >= {dc.OOM_GLOBAL // 2, dc.OOM_GLOBAL // 4}
+    p0 = torch.load(launched / "oom_params_rank0.pt")
+    p1 = torch.load(launched / "oom_params_rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    _assert_params_close(p0, dc.reference_oom_params())
+
+
+@pytest.mark.parametrize("first, second", [("save1", "resume2"), ("save2", "resume1")])
+def test_elastic_resize_sees_every_sample_exactly_once(launched, first, second):
+    def legs(tag: str) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(launched.glob(f"{tag}_rank*.json"))]
+
+    ids = [i for tag in (first, second) for leg in legs(tag) for step in leg["seen"] for i in step]
+    assert sorted(ids) == list(range(dc.ELASTIC_N))  # every sample once, none twice
+    for tag in (first, second):
+        for leg in legs(tag):
+            for s in leg["shapes"]:
+                # the global batch is kept: each rank's share, accumulation recomputed per world
+                assert s["samples"] * s["world"] == dc.ELASTIC_GLOBAL
+                assert s["accum"] == dc.ELASTIC_GLOBAL // (s["world"] * s["micro"])
+    worlds = [leg["shapes"][0]["world"] for tag in (first, second) for leg in legs(tag)[:1]]
+    assert sorted(worlds) == [1, 2]
+    # same samples per global step in the same order: the same training as without the restart
+    _assert_params_close(torch.load(launched / f"{second}_params.pt"), dc.reference_elastic_params())
+
+
+def test_a_dead_rank_fails_the_launch_instead_of_hanging(tmp_path):
+    began = time.perf_counter()
+    with pytest.raises(AssertionError, match="rank 1 died on purpose"):
+        torchrun(WORKER, str(tmp_path), "crash", timeout=90)
+    assert time.perf_counter() - began < 90
+
+
+def test_a_rank_that_never_joins_times_out_instead_of_hanging(tmp_path):
+    with pytest.raises(AssertionError, match="Timed out|timed out|Timeout|failed"):
+        torchrun(WORKER, str(tmp_path), "hang", timeout=90, env={"PG_TIMEOUT_S": "3"})
+
+
+def test_ddp_example_runs_under_torchrun(tmp_path):
+    # rank 1 emulates the smaller device: its finder's answer is the one both ranks use
+    proc = torchrun(ROOT / "examples" / "ddp_train.py", "--steps", "3", "--capacity", "1MiB,740KiB",
+                    "--checkpoint", str(tmp_path / "ckpt.pt"), timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 0 step")]
+    assert len(lines) == 3
+    assert all("x 2 rank(s)" in line and "limited by rank 1" in line for line in lines)
+    assert (tmp_path / "ckpt.pt").exists()
