@@ -1,0 +1,8 @@
+"""``python -m batchpilot``: the same as the ``batchpilot`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

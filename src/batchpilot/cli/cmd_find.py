@@ -1,0 +1,130 @@
+"""``batchpilot find``: measure the largest batch that fits, on the device (or an emulated one)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any
+
+import torch
+
+from .. import report
+from ..find import find_batch_size
+from ..memory import format_bytes
+from .common import (
+    UsageError, add_fit_options, add_model_options, add_verbose, byte_size, device_or_fail, positive_int,
+)
+from .workload import Workload
+
+__all__ = ["add_parser", "run", "find_document"]
+
+_STRATEGIES = ("predict", "power", "binsearch", "decay")
+_STOPS = {
+    "boundary": "exact: one more sample does not fit",
+    "max_batch_size": "capped by --max-batch-size",
+    "strategy": "where the strategy stops, not necessarily the boundary",
+    "max_trials": "stopped after the most trials allowed",
+}
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "find",
+        help="measure the largest batch that fits on the device (or an emulated one)",
+        description="Run real training steps at a few batch sizes and report the largest whose steady-state "
+                    "peak memory (optimizer state included) stays under target x capacity. Model, optimizer and "
+                    "RNG state are restored afterwards.",
+    )
+    add_model_options(p)
+    d = p.add_argument_group("device")
+    d.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any, else cpu)")
+    d.add_argument("--capacity", metavar="SIZE", type=byte_size, default=None,
+                   help="size the batch for this much memory, e.g. 2GiB: on CPU an emulated device that raises "
+                        "a real OutOfMemoryError past it, on CUDA a per-process memory fraction. Required on CPU "
+                        "unless --max-batch-size bounds the search (default on accelerators: the whole device)")
+    add_fit_options(p)
+    s = p.add_argument_group("search")
+    s.add_argument("--strategy", choices=_STRATEGIES, default="predict",
+                   help="predict: fit memory = fixed + per-sample x batch from small trials and verify the answer "
+                        "(fewest trials); power, binsearch: Lightning's; decay: timm's (default: %(default)s)")
+    s.add_argument("--min-batch-size", metavar="N", type=positive_int, default=1,
+                   help="smallest batch to consider (default: %(default)s)")
+    s.add_argument("--steps-per-trial", metavar="N", type=positive_int, default=2,
+                   help="training steps per trial; 2 or more count the optimizer state (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the model weights and random inputs (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_verbose(p)
+    p.set_defaults(handler=run)
+    return p
+
+
+def find_document(workload: Workload, plan: Any, device: torch.device) -> dict[str, Any]:
+    """The ``find`` JSON document (schema in :mod:`batchpilot.report`)."""
+    return {
+        "schema_version": report.SCHEMA_VERSION,
+        "command": "find",
+        **workload.describe(),
+        "device": str(device),
+        **report.plan_record(plan),
+    }
+
+
+def _human(doc: dict[str, Any]) -> str:
+    lines = [
+        f"find for {doc['model']} with input {'x'.join(map(str, doc['input_shape']))} on {doc['device']} "
+        f"({doc['strategy']})", "",
+        report.trials_table(doc["trials"]), "",
+    ]
+    fit = doc["fit"]
+    if fit:
+        lines.append(f"memory fit: {format_bytes(fit['fixed_bytes'])} + {format_bytes(fit['bytes_per_sample'])} "
+                     "per sample")
+    lines.append(
+        f"batch size: {doc['batch_size']}  (limit {format_bytes(doc['limit_bytes'])} = {doc['target']:.0%} of "
+        f"{format_bytes(doc['capacity_bytes'])}; {_STOPS.get(doc['stop_reason'], doc['stop_reason'])}; "
+        f"{doc['num_trials']} trials, {doc['num_ooms']} OOM, {doc['seconds']:.2f} s)"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = Workload(model_spec=args.model, input_shape=args.input_shape, num_classes=args.num_classes,
+                        optimizer=args.optimizer, amp=args.amp)
+    device = device_or_fail(args.device)
+    if device.type == "cpu" and args.capacity is None and args.max_batch_size is None:
+        raise UsageError(
+            "on CPU give --capacity (an emulated device, e.g. --capacity 2GiB) or --max-batch-size; "
+            "sizing for the machine's whole RAM would swap it"
+        )
+    if args.max_batch_size is not None and args.max_batch_size < args.min_batch_size:
+        raise UsageError(f"--min-batch-size {args.min_batch_size} is above --max-batch-size {args.max_batch_size}")
+    torch.manual_seed(args.seed)
+    model = workload.build_model().to(device)
+    optimizer = workload.make_optimizer(model)
+    generator = torch.Generator().manual_seed(args.seed)
+    criterion = torch.nn.CrossEntropyLoss()
+    autocast_dtype = workload.amp_dtype
+
+    def step(b: int) -> None:
+        # a fresh batch per step: only this batch's inputs are live, as when a loader feeds the device
+        x, y = workload.make_batch(b, generator=generator, device=device)
+        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with ctx:
+            loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # with a capacity the finder runs its trials under emulate_capacity itself
+    with report.logging_through_progress(not args.no_progress):
+        plan = find_batch_size(
+            step, device=device, target=args.target, capacity=args.capacity, strategy=args.strategy,
+            min_batch_size=args.min_batch_size, max_batch_size=args.max_batch_size,
+            steps_per_trial=args.steps_per_trial, restore=(model, optimizer), progress=not args.no_progress,
+        )
+    doc = find_document(workload, plan, device)
+    print(report.to_json(doc) if args.json else _human(doc))
+    sys.stdout.flush()
+    return 0

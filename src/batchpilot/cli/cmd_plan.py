@@ -1,0 +1,134 @@
+"""``batchpilot plan``: the batch size for a capacity or a named GPU, without the device."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .. import report
+from ..gpus import GPUS, gpu_spec
+from ..memory import format_bytes
+from ..plan import PlanningError, PlanResult, plan_batch_size
+from ..search import NothingFitsError
+from ..trainjob import make_optimizer
+from .common import UsageError, add_fit_options, add_model_options, add_verbose, byte_size, positive_int
+from .workload import Workload
+
+__all__ = ["add_parser", "run", "plan_document"]
+
+_BREAKDOWN = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="plan the batch size for a capacity or a named GPU, without the device",
+        description="Run the training step on fake tensors (no data, no device) and give the largest "
+                    "batch whose peak memory fits target x capacity. Exact on CPU; on CUDA it models the "
+                    "caching allocator, cuBLAS workspaces and the CUDA context.",
+        epilog=f"Known GPUs: {', '.join(GPUS)}.",
+    )
+    add_model_options(p)
+    where = p.add_argument_group("capacity (one of)")
+    mx = where.add_mutually_exclusive_group(required=True)
+    mx.add_argument("--capacity", metavar="SIZE", type=byte_size,
+                    help="memory to plan for, e.g. 80GiB, 24GB, 512MiB or a number of bytes")
+    mx.add_argument("--gpu", metavar="NAME", help="a named GPU, e.g. H100-80GB (implies --device cuda)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="whose memory accounting to model: cpu (exact tensor bytes) or cuda (allocator rounding, "
+                        "workspaces, context). Default: cuda with --gpu, else cpu")
+    add_fit_options(p)
+    p.add_argument("--steps", metavar="N", type=positive_int, default=2,
+                   help="training steps per estimate; 2 or more count the optimizer state (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
+    add_verbose(p)
+    p.set_defaults(handler=run)
+    return p
+
+
+def plan_document(workload: Workload, result: PlanResult) -> dict[str, Any]:
+    """The ``plan`` JSON document (schema in :mod:`batchpilot.report`)."""
+    est = result.estimate
+    return {
+        "schema_version": report.SCHEMA_VERSION,
+        "command": "plan",
+        **workload.describe(),
+        "gpu": result.gpu,
+        "device": result.device,
+        "target": result.target,
+        "capacity_bytes": result.capacity,
+        "limit_bytes": result.limit,
+        "batch_size": result.batch_size,
+        "estimate": None if est is None else {
+            "peak_bytes": est.peak_bytes,
+            **{k: getattr(est, k) for k in _BREAKDOWN},
+            "allocated_bytes": est.allocated_bytes,
+            "reserved_bytes": est.reserved_bytes,
+            "context_bytes": est.context_bytes,
+            "required_bytes": est.required_bytes,
+        },
+        "next_required_bytes": None if result.next_estimate is None else result.next_estimate.required_bytes,
+        "evaluations": [{"batch_size": b, "required_bytes": n} for b, n in sorted(result.evaluations.items())],
+        "seconds": result.seconds,
+    }
+
+
+def _human(doc: dict[str, Any]) -> str:
+    where = doc["gpu"] or f"{format_bytes(doc['capacity_bytes'])} ({doc['device']})"
+    lines = [f"plan for {doc['model']} with input {'x'.join(map(str, doc['input_shape']))} on {where}", ""]
+    lines.append(report.format_table(
+        ("batch", "required"),
+        [(e["batch_size"], format_bytes(e["required_bytes"])) for e in doc["evaluations"]],
+    ))
+    est = doc["estimate"]
+    if est is not None:
+        lines += ["", f"memory at batch {doc['batch_size']}:"]
+        rows = [(k.replace("_", " "), format_bytes(est[k])) for k in (*_BREAKDOWN, "peak_bytes")]
+        if doc["device"] == "cuda":
+            rows += [("allocated (allocator)", format_bytes(est["allocated_bytes"])),
+                     ("reserved (allocator)", format_bytes(est["reserved_bytes"])),
+                     ("CUDA context", format_bytes(est["context_bytes"]))]
+        lines.append(report.format_table(("part", "memory"), rows))
+    lines += [
+        "",
+        f"batch size: {doc['batch_size']}  (limit {format_bytes(doc['limit_bytes'])} = "
+        f"{doc['target']:.0%} of {format_bytes(doc['capacity_bytes'])}; planned in {doc['seconds']:.2f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = Workload(model_spec=args.model, input_shape=args.input_shape, num_classes=args.num_classes,
+                        optimizer=args.optimizer, amp=args.amp)
+    if args.gpu is not None:
+        try:
+            gpu_spec(args.gpu)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if args.device == "cpu":
+            raise UsageError("--gpu plans for a CUDA device; drop --device cpu")
+    model = workload.build_model()
+    optimizer_name = workload.optimizer
+    try:
+        result = plan_batch_size(
+            model, lambda b: workload.make_batch(b), capacity=args.gpu or args.capacity, target=args.target,
+            optimizer=lambda params: make_optimizer(optimizer_name, params, lr=1e-3), steps=args.steps,
+            amp=workload.amp, device=args.device, max_batch_size=args.max_batch_size or 1 << 20,
+        )
+    except PlanningError as exc:
+        raise UsageError(f"cannot plan this model on fake tensors: {exc}") from None
+    doc = plan_document(workload, result)
+    if result.batch_size == 0:
+        need = result.evaluations.get(1)
+        raise NothingFitsError(
+            f"nothing fits: batch size 1 needs {format_bytes(need or 0)}, over the limit {format_bytes(result.limit)} "
+            f"({result.target:.0%} of {format_bytes(result.capacity)})",
+            batch_size=1, peak_bytes=need, limit_bytes=result.limit, capacity_bytes=result.capacity,
+        )
+    if args.json:
+        print(report.to_json(doc))
+    else:
+        print(_human(doc))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,152 @@
+"""Argument types, shared option groups and the user-error type of the command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from ..memory import parse_bytes, resolve_device
+from ..trainjob import OPTIMIZERS
+
+__all__ = [
+    "UsageError",
+    "positive_int",
+    "non_negative_int",
+    "fraction",
+    "positive_float",
+    "byte_size",
+    "shape",
+    "add_model_options",
+    "add_fit_options",
+    "add_verbose",
+    "device_or_fail",
+    "OPTIMIZERS",
+    "AMP_MODES",
+]
+
+AMP_MODES = ("bf16", "fp16")
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: one line on stderr and exit status 2, no traceback."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a memory size such as ``2GiB``, ``512MiB`` or a number of bytes."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """argparse type: a per-sample shape such as ``3,224,224`` or ``64``."""
+    parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes like 3,224,224, got {text!r}") from None
+    if not dims or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"every dimension must be at least 1, got {text!r}")
+    return dims
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--input-shape``, ``--num-classes``, ``--optimizer``, ``--amp`` (find and plan)."""
+    g = parser.add_argument_group("model")
+    g.add_argument(
+        "--model", metavar="SPEC", default=None,
+        help="the model: a built-in name (mlp, cnn, transformer), MODULE:FUNCTION, or path/to/file.py:FUNCTION "
+             "naming a factory that returns an nn.Module (it is given num_classes= and input_shape= if its "
+             "signature takes them). Default: mlp for a 1-dim --input-shape, cnn for a 3-dim one",
+    )
+    g.add_argument(
+        "--input-shape", metavar="SHAPE", type=shape, default=None,
+        help="shape of one input sample, e.g. 3,224,224 (images) or 64 (features); for the transformer, "
+             "the sequence length of integer tokens. Default: 3,32,32, or the built-in model's own shape",
+    )
+    g.add_argument("--num-classes", metavar="N", type=positive_int, default=10,
+                   help="classes of the cross-entropy targets (default: %(default)s)")
+    g.add_argument("--optimizer", "--opt", dest="optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="optimizer whose state counts towards memory (default: %(default)s)")
+    g.add_argument("--amp", choices=AMP_MODES, default=None,
+                   help="run the forward pass under autocast in bfloat16 or float16 (default: off)")
+
+
+def add_fit_options(parser: argparse.ArgumentParser) -> None:
+    """``--target`` and the batch size bounds, shared by every command that sizes a batch."""
+    parser.add_argument(
+        "--target", metavar="FRACTION", type=fraction, default=0.8,
+        help="use at most this fraction of the capacity, in (0, 1] (default: %(default)s)",
+    )
+    parser.add_argument("--max-batch-size", metavar="N", type=positive_int, default=None,
+                        help="never propose a batch above N (default: no limit)")
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after the command name too (``batchpilot train -v``)."""
+    parser.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0,
+                        help="log to stderr: -v progress notes, -vv debugging detail")
+
+
+def device_or_fail(text: str | None) -> torch.device:
+    """The ``--device`` as a ``torch.device``, checked to exist here.
+
+    Raises:
+        UsageError: an unknown device type, or a backend this machine lacks.
+    """
+    try:
+        device = resolve_device(text)
+    except ValueError as exc:
+        raise UsageError(f"--device: {exc}") from None
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is None or not backend.is_available():
+            raise UsageError(f"--device {text}: no {device.type} device here; use --device cpu")
+        count = getattr(backend, "device_count", None)
+        if device.index is not None and count is not None and device.index >= count():
+            raise UsageError(f"--device {text}: only {count()} {device.type} device(s) here")
+    return device

@@ -1,0 +1,161 @@
+"""What ``find`` and ``plan`` size a batch for: a model from ``--model``, its inputs, loss and optimizer.
+
+``--model`` is a built-in name (``mlp``, ``cnn``, ``transformer``), ``MODULE:FUNCTION``
+(imported like ``python -m``), or ``path/to/file.py:FUNCTION`` (loaded from the file).
+The function is a factory returning an ``nn.Module``; it is called with the keyword
+arguments ``num_classes`` and ``input_shape`` that its signature accepts (``**kwargs``
+accepts both). Inputs are random: float tensors of ``--input-shape`` per sample, or
+integer tokens for the built-in transformer; targets are class indices for
+cross-entropy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..models import MLP, SmallCNN, TransformerBlockModel
+from ..trainjob import call_model_factory, make_optimizer
+from .common import AMP_MODES, OPTIMIZERS, UsageError
+
+__all__ = ["Workload", "load_factory", "BUILTIN_MODELS", "DEFAULT_INPUT_SHAPE"]
+
+BUILTIN_MODELS = ("mlp", "cnn", "transformer")
+DEFAULT_INPUT_SHAPE = (3, 32, 32)
+_TRANSFORMER_SEQ_LEN = 32
+
+
+def load_factory(spec: str) -> Callable[..., nn.Module]:
+    """The model factory named by ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``.
+
+    Raises:
+        UsageError: the spec is malformed, the module or file cannot be loaded, or the
+            attribute is missing or not callable.
+    """
+    module_ref, sep, attr = spec.rpartition(":")
+    if not sep or not module_ref or not attr.isidentifier():
+        raise UsageError(
+            f"--model {spec!r}: expected a built-in name ({', '.join(BUILTIN_MODELS)}), "
+            "MODULE:FUNCTION or path/to/file.py:FUNCTION"
+        )
+    if module_ref.endswith(".py") or "/" in module_ref or "\\" in module_ref:
+        path = Path(module_ref)
+        if not path.is_file():
+            raise UsageError(f"--model {spec!r}: no such file {str(path)!r}")
+        name = f"_batchpilot_user_model_{abs(hash(path.resolve()))}"
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise UsageError(f"--model {spec!r}: cannot load {str(path)!r} as Python")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise UsageError(f"--model {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(module_ref)
+        except ImportError as exc:
+            raise UsageError(f"--model {spec!r}: cannot import {module_ref!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise UsageError(f"--model {spec!r}: {module_ref!r} has no callable {attr!r}")
+    return factory
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """The model, inputs and optimizer a batch size is sought for.
+
+    Raises:
+        UsageError: an input shape that does not suit the built-in model, or a bad ``amp``.
+    """
+
+    model_spec: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    num_classes: int = 10
+    optimizer: str = "adamw"
+    amp: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.amp is not None and self.amp not in AMP_MODES:
+            raise UsageError(f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.model_spec is None:
+            shape = self.input_shape or DEFAULT_INPUT_SHAPE
+            if len(shape) not in (1, 3):
+                raise UsageError(
+                    f"--input-shape {','.join(map(str, shape))}: the default model needs 1 dim (features, "
+                    "for the MLP) or 3 (channels,height,width, for the CNN); pass --model for other shapes"
+                )
+            self.model_spec = "mlp" if len(shape) == 1 else "cnn"
+        if self.input_shape is None:
+            self.input_shape = {
+                "mlp": (64,), "transformer": (_TRANSFORMER_SEQ_LEN,)
+            }.get(self.model_spec, DEFAULT_INPUT_SHAPE)
+        expected = {"mlp": 1, "cnn": 3, "transformer": 1}.get(self.model_spec)
+        if expected is not None and len(self.input_shape) != expected:
+            raise UsageError(
+                f"--model {self.model_spec} takes a {expected}-dim --input-shape, got "
+                f"{','.join(map(str, self.input_shape))}"
+            )
+
+    @property
+    def tokens(self) -> bool:
+        """Inputs are integer token ids (the built-in transformer) rather than floats."""
+        return self.model_spec == "transformer"
+
+    def build_model(self) -> nn.Module:
+        """A fresh model.
+
+        Raises:
+            UsageError: a ``--model`` that cannot be loaded.
+            batchpilot.trainjob.JobError: a factory that returns no ``nn.Module``.
+        """
+        spec, shape, classes = self.model_spec, self.input_shape, self.num_classes
+        assert spec is not None and shape is not None
+        if spec == "mlp":
+            return MLP(in_features=shape[0], num_classes=classes)
+        if spec == "cnn":
+            return SmallCNN(in_channels=shape[0], num_classes=classes)
+        if spec == "transformer":
+            return TransformerBlockModel(seq_len=shape[0], num_classes=classes)
+        return call_model_factory(load_factory(spec), num_classes=classes, input_shape=shape)
+
+    def make_batch(self, batch_size: int, *, generator: torch.Generator | None = None,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """A random ``(inputs, targets)`` batch."""
+        assert self.input_shape is not None
+        if self.tokens:
+            x = torch.randint(0, 256, (batch_size, *self.input_shape), generator=generator)
+        else:
+            x = torch.randn(batch_size, *self.input_shape, generator=generator)
+        y = torch.randint(0, self.num_classes, (batch_size,), generator=generator)
+        return x.to(device), y.to(device)
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer; its learning rate does not change the memory, so a fixed one is used."""
+        return make_optimizer(self.optimizer, model.parameters(), lr=1e-3)
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp or "")
+
+    def describe(self) -> dict[str, Any]:
+        """The job fields of the ``find`` / ``plan`` JSON documents."""
+        return {
+            "model": self.model_spec,
+            "input_shape": list(self.input_shape or ()),
+            "num_classes": self.num_classes,
+            "optimizer": self.optimizer,
+            "amp": self.amp,
+        }

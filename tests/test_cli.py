@@ -1,0 +1,320 @@
+"""The ``batchpilot`` command line, driven as a user drives it: find, plan, train, exit codes, JSON, PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot import report
+from batchpilot.cli import build_parser, main
+from batchpilot.models import MLP
+
+from test_report import png_size
+
+BIN = Path(sys.executable).parent
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m batchpilot ARGS`` in a fresh interpreter, as a user would run it."""
+    # one OpenMP thread: the shared CI cores are busy, and spinning threads only slow the tiny models down
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "batchpilot", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``main(argv)`` in this process; returns ``(status, stdout, stderr)``.
+
+    The CLI owns logging and the thread count when it runs; both are put back afterwards.
+    """
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, torch.get_num_threads())
+    torch.set_num_threads(1)  # as run_cli: busy shared cores, tiny models
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        try:
+            status = main(list(argv))
+        except SystemExit as exc:  # argparse's own errors
+            status = exc.code
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield call
+    root.handlers[:], root.level = saved[0], saved[1]
+    torch.set_num_threads(saved[2])
+
+
+def assert_user_error(proc_or_err: str, status: int, expected: int) -> None:
+    assert status == expected, proc_or_err
+    assert "Traceback" not in proc_or_err
+    lines = [ln for ln in proc_or_err.strip().splitlines() if not ln.startswith("WARNING")]
+    assert len(lines) == 1, proc_or_err  # one line, no traceback
+    assert lines[0].startswith("batchpilot ")
+
+
+# ---------------------------------------------------------------------------
+# The command and its help
+
+
+def test_console_script_and_module_run():
+    script = BIN / "batchpilot"
+    assert script.exists(), "the console script is not installed (pip install -e .)"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("find", "plan", "train"):
+        assert command in proc.stdout
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_help_explains_every_option():
+    parser = build_parser()
+    subs = _subparsers(parser)
+    assert set(subs) == {"find", "plan", "train"}
+    for name, sub in [("batchpilot", parser), *subs.items()]:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.option_strings} has no help"
+        sub.format_help()  # every %(default)s expands
+
+
+def test_train_uses_timm_option_names():
+    opts = {o for a in _subparsers(build_parser())["train"]._actions for o in a.option_strings}
+    assert {"--batch-size", "--grad-accum-steps", "--lr-base", "--lr-base-size", "--lr-base-scale", "--opt",
+            "--epochs", "--clip-grad", "--sched", "--weight-decay", "--amp", "--seed"} <= opts
+
+
+# ---------------------------------------------------------------------------
+# find
+
+
+def test_find_json_follows_the_schema():
+    proc = run_cli("find", "--model", "mlp", "--input-shape", "64", "--capacity", "4MiB", "--json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # stdout is the JSON document and nothing else
+    assert set(doc) == report.SCHEMAS["find"]
+    assert doc["schema_version"] == report.SCHEMA_VERSION and doc["command"] == "find"
+    assert doc["model"] == "mlp" and doc["input_shape"] == [64] and doc["device"] == "cpu"
+    assert doc["capacity_bytes"] == 4 * 1024**2
+    assert doc["limit_bytes"] == int(0.8 * 4 * 1024**2)
+    assert set(doc["fit"]) == report.SCHEMAS["fit"]
+    assert doc["num_trials"] == len(doc["trials"]) >= 2
+    for t in doc["trials"]:
+        assert set(t) == report.SCHEMAS["trial"]
+        assert t["outcome"] in ("fit", "over_target", "oom")
+    # the answer is a trial that fitted, and nothing larger fitted
+    fitting = [t["batch_size"] for t in doc["trials"] if t["outcome"] == "fit"]
+    assert doc["batch_size"] == max(fitting)
+    answer = next(t for t in doc["trials"] if t["batch_size"] == doc["batch_size"])
+    assert answer["peak_bytes"] <= doc["limit_bytes"]
+
+
+def test_find_prints_a_table_of_the_trials(cli):
+    status, out, err = cli("find", "--model", "mlp", "--input-shape", "32", "--capacity", "3MiB",
+                           "--strategy", "power", "--no-progress")
+    assert status == 0, err
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["#", "batch", "outcome"])
+    rows = []
+    for ln in lines[header + 2:]:
+        if not ln.strip():
+            break
+        rows.append(ln.split())
+    assert len(rows) >= 2 and all(r[2] in ("fit", "over_target", "oom") for r in rows)
+    powers = [int(r[1]) for r in rows]
+    assert powers[:2] == [1, 2]  # the power strategy doubles from 1
+    assert any(ln.startswith("batch size: ") for ln in lines)
+
+
+# ---------------------------------------------------------------------------
+# plan
+
+
+def test_plan_json_for_a_named_gpu(cli):
+    status, out, err = cli("plan", "--model", "mlp", "--input-shape", "32768", "--gpu", "H100-80GB", "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert set(doc) == report.SCHEMAS["plan"]
+    assert doc["gpu"] == "H100-80GB" and doc["device"] == "cuda" and doc["command"] == "plan"
+    assert doc["capacity_bytes"] == 80 * 1024**3
+    assert set(doc["estimate"]) == report.SCHEMAS["plan.estimate"]
+    assert all(set(e) == report.SCHEMAS["plan.evaluation"] for e in doc["evaluations"])
+    # the plan sits on the boundary: the answer fits, one more sample does not
+    assert doc["estimate"]["required_bytes"] <= doc["limit_bytes"] < doc["next_required_bytes"]
+    assert doc["batch_size"] > 10_000
+
+
+def test_plan_human_output_and_model_factories(cli, tmp_path):
+    factory = tmp_path / "my_model.py"
+    factory.write_text(textwrap.dedent("""
+        import torch.nn as nn
+
+        def build(num_classes):
+            return nn.Sequential(nn.Flatten(), nn.Linear(48, num_classes))
+    """))
+    status, out, err = cli("plan", "--model", f"{factory}:build", "--input-shape", "3,4,4", "--num-classes", "7",
+                           "--capacity", "1MiB", "--optimizer", "sgd", "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["estimate"]["parameters"] == (48 * 7 + 7) * 4  # the factory was given num_classes=7
+    assert doc["model"] == f"{factory}:build"
+
+    status, out, err = cli("plan", "--model", "batchpilot.models:MLP", "--input-shape", "64", "--num-classes", "3",
+                           "--capacity", "16MiB", "--json")
+    assert status == 0, err
+    params = sum(p.numel() for p in MLP(num_classes=3).parameters())
+    assert json.loads(out)["estimate"]["parameters"] == params * 4
+
+    status, out, err = cli("plan", "--model", "mlp", "--capacity", "16MiB")
+    assert status == 0, err
+    assert "batch size: " in out and "activations" in out
+
+
+# ---------------------------------------------------------------------------
+# Exit status: 2 for bad arguments, 3 when nothing fits; one line on stderr, no traceback
+
+
+def test_bad_arguments_exit_2_without_traceback():
+    proc = run_cli("find", "--capacity", "2MiB", "--target", "1.5")  # argparse checks the value
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--target" in proc.stderr
+    proc = run_cli("plan", "--gpu", "NOPE-1GB")  # our own check
+    assert_user_error(proc.stderr, proc.returncode, 2)
+    assert "known GPUs" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("plan", "--capacity", "lots"), "memory size"),
+    (("plan",), "--capacity"),
+    (("find", "--model", "no_such_module_xyz:build", "--capacity", "1MiB"), "cannot import"),
+    (("find", "--model", "not-a-spec", "--capacity", "1MiB"), "MODULE:FUNCTION"),
+    (("find", "--model", "mlp", "--input-shape", "3,8,8", "--capacity", "1MiB"), "1-dim"),
+    (("find", "--model", "mlp"), "--capacity"),
+    (("find", "--device", "tpu", "--capacity", "1MiB"), "--device"),
+    (("train", "--batch-size", "0"), "--batch-size"),
+    (("train", "--batch-size", "5000", "--no-progress"), "larger than the"),
+    (("train", "--target", "0.97", "--no-progress"), "target"),
+    (("train", "--capacity", "2MiB", "--squeeze-capacity", "3MiB"), "below"),
+    (("train", "--grad-accum-steps", "300"), "grad-accum-steps"),
+])
+def test_user_errors_exit_2(cli, argv, needle):
+    status, out, err = cli(*argv)
+    assert status == 2, err
+    assert needle in err
+    assert "Traceback" not in err and out == ""
+
+
+def test_nothing_fits_exits_3_with_one_line():
+    proc = run_cli("find", "--model", "mlp", "--input-shape", "64", "--capacity", "200KiB", "--no-progress")
+    assert_user_error(proc.stderr, proc.returncode, 3)
+    assert "nothing fits" in proc.stderr
+
+
+def test_nothing_fits_exits_3_for_plan_and_train(cli):
+    status, _, err = cli("plan", "--model", "mlp", "--capacity", "64KiB")
+    assert status == 3 and "nothing fits" in err
+    status, _, err = cli("train", "--capacity", "300KiB", "--no-progress", "--no-plot", "--epochs", "1")
+    assert status == 3 and "nothing fits" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------
+# train, the main job
+
+
+def test_train_default_run_learns_and_adapts(tmp_path):
+    """The README's first command, in its default settings: it must learn, and show the adaptation."""
+    out_dir = tmp_path / "run"
+    proc = run_cli("train", "--out", str(out_dir), "--json", "--no-progress", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    log = json.loads(proc.stdout)
+    assert log == json.loads((out_dir / "run.json").read_text())
+
+    assert set(log) == report.SCHEMAS["train"]
+    assert set(log["config"]) == report.SCHEMAS["train.config"]
+    assert set(log["dataset"]) == report.SCHEMAS["dataset"]
+    assert set(log["plan"]) == report.SCHEMAS["train.plan"]
+    assert set(log["lr"]) == report.SCHEMAS["lr"]
+    assert all(set(s) == report.SCHEMAS["step"] for s in log["steps"])
+
+    # digits with a small CNN: a linear model gets about 95%; 97% means the CNN really learnt
+    assert log["accuracy"] >= 0.97, log["accuracy"]
+    assert log["dataset"]["num_held_out"] == 360 and log["dataset"]["name"] == "sklearn-digits"
+
+    # the global batch is fixed; the LR scaled by the sqrt rule for AdamW
+    gbs = log["config"]["batch_size"]
+    assert log["samples_seen"] == gbs * log["optimizer_steps"] == gbs * len(log["steps"])
+    assert log["lr"]["rule"] == "sqrt"
+    assert math.isclose(log["lr"]["scaled"], log["lr"]["base"] * math.sqrt(gbs / log["lr"]["base_size"]))
+
+    # the finder answered below the global batch, so the engine accumulated from the first step
+    first = log["steps"][0]
+    assert log["plan"]["batch_size"] < gbs
+    assert first["micro_batch_size"] <= log["plan"]["batch_size"]
+    assert first["micro_batch_size"] * first["accum_steps"] >= gbs
+    # the squeeze forced an OOM and a shrink; the engine grew back when the memory returned
+    assert log["total_ooms"] >= 1
+    sizes = [c["to"] for c in log["micro_batch_changes"]]
+    assert min(sizes) < first["micro_batch_size"]
+    assert log["steps"][-1]["micro_batch_size"] > min(sizes)
+    # no step ever used more than its capacity
+    assert all(s["peak_bytes"] <= s["capacity_bytes"] for s in log["steps"])
+
+    png = out_dir / "run.png"
+    assert png.stat().st_size > 10_000
+    assert png_size(png) == report.FIGURE_SIZE_PX
+
+
+def test_train_with_fixed_accumulation_and_no_capacity(cli, tmp_path):
+    status, out, err = cli("train", "--model", "mlp", "--grad-accum-steps", "4", "--epochs", "2", "--capacity", "none",
+                           "--no-progress", "--no-plot", "--json", "--out", str(tmp_path), "--opt", "sgd",
+                           "--lr-base", "0.2")
+    assert status == 0, err
+    log = json.loads(out)
+    assert log["plan"] is None  # --grad-accum-steps skips the finder
+    assert log["steps"][0]["micro_batch_size"] == 32 and log["steps"][0]["accum_steps"] == 4
+    assert log["steps"][0]["capacity_bytes"] is None
+    assert log["lr"]["rule"] == "linear" and math.isclose(log["lr"]["scaled"], 0.2 * 128 / 256)
+    assert (tmp_path / "run.json").exists() and not (tmp_path / "run.png").exists()
+    assert log["accuracy"] > 0.5  # two epochs: learning, not yet done
+
+
+def test_train_a_factory_model_on_images(cli, tmp_path):
+    factory = tmp_path / "digits_net.py"
+    factory.write_text(textwrap.dedent("""
+        import math
+        import torch.nn as nn
+
+        def build(num_classes, input_shape):
+            return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+    """))
+    status, out, err = cli("train", "--model", f"{factory}:build", "--image-inputs", "--epochs", "3", "--capacity",
+                           "none", "--no-progress", "--no-plot", "--json", "--out", str(tmp_path / "run"))
+    assert status == 0, err
+    log = json.loads(out)
+    assert log["dataset"]["sample_shape"] == [1, 8, 8]
+    assert log["config"]["model"].endswith(":build")
+    assert log["accuracy"] > 0.8  # softmax regression on digits
+
+
+def test_train_human_output(cli, tmp_path):
+    status, out, err = cli("train", "--model", "mlp", "--epochs", "1", "--no-progress", "--out", str(tmp_path),
+                           "--no-squeeze", "--capacity", "3MiB")
+    assert status == 0, err
+    assert "held-out accuracy: " in out
+    assert "lr: 0.01 at batch 256 -> " in out
+    assert "#  batch  outcome" in out
+    assert f"plot: {tmp_path / 'run.png'}" in out
