@@ -1,1 +1,64 @@
-"""batchpilot: pick and keep the best batch size for a PyTorch job."""
+"""batchpilot: pick and keep the best batch size for a PyTorch job.
+
+The names below are the stable public API. The planner, the distributed helpers
+and the main job are imported on first use: they pull in fake tensors and
+torch.distributed, which a plain training script should not pay for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .batching import BatchConfig, rescale_lr, scale_lr
+from .data import ElasticBatchSampler, ElasticLoader
+from .engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from .find import BatchPlan, BatchSizeError, NothingFitsError, find_batch_size, find_batch_size_for
+from .memory import emulate_capacity, get_probe, parse_bytes, track_peak, StorageTracker
+from .oom import attempt, free_memory, is_oom
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "estimate_peak_memory": "plan",
+    "plan_batch_size": "plan",
+    "PlanningError": "plan",
+    "MemoryEstimate": "plan",
+    "PlanResult": "plan",
+    "DistributedCoordinator": "distributed",
+    "find_batch_size_distributed": "distributed",
+    "init_distributed": "distributed",
+    "TrainConfig": "trainjob",
+    "run_training": "trainjob",
+}
+
+__all__ = [
+    # oom
+    "is_oom", "free_memory", "attempt",
+    # memory
+    "get_probe", "track_peak", "emulate_capacity", "parse_bytes", "StorageTracker",
+    # finder
+    "find_batch_size", "find_batch_size_for", "BatchPlan", "BatchSizeError", "NothingFitsError",
+    # batch arithmetic and LR
+    "BatchConfig", "scale_lr", "rescale_lr",
+    # data
+    "ElasticBatchSampler", "ElasticLoader",
+    # engine
+    "Engine", "EngineConfig", "StepResult", "BatchDoesNotFitError",
+    # lazily imported
+    *_LAZY,
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchpilot' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
