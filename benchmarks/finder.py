@@ -3,11 +3,17 @@
 For each model the true maximum — the largest batch whose two-step training peak
 is at most ``target × capacity`` — is found by bisection on direct measurements
 of fresh copies; then every strategy searches under the same emulated capacity.
+With ``--plan-first`` each model also gets a ``predict+plan`` row: the planner's
+answer (one fake-tensor planning pass) is the first real trial, which the finder
+verifies; its seconds include the planning pass, also shown on its own.
 
     python benchmarks/finder.py
+    python benchmarks/finder.py --plan-first
     python benchmarks/finder.py --capacity 8MiB --target 0.9 --json finder.json
 
 Seconds are wall time on this machine: compare them within one run, not across machines.
+On a CPU a fake planning pass can take longer than the small real trials it saves;
+on a GPU the real trials (and any OOM) are the expensive part.
 """
 
 from __future__ import annotations
@@ -74,21 +80,25 @@ def true_max(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, lim
     return lo, count
 
 
-def run(models: list[str], strategies: list[str], capacity: int, target: float) -> list[dict[str, Any]]:
+def run(models: list[str], strategies: list[str], capacity: int, target: float,
+        plan_first: bool = False) -> list[dict[str, Any]]:
     rows = []
     limit = int(target * capacity)
+    methods = [(s, False) for s in strategies] + ([("predict", True)] if plan_first else [])
     for name in models:
         model, optimizer, batch = setup(name)
         best, used = true_max(model, optimizer, batch, limit)
         logger.info("%s: true max %d (%d measurements)", name, best, used)
-        for strategy in strategies:
+        for strategy, seeded in methods:
             m, opt, data = setup(name)
             started = time.perf_counter()
             plan = find_batch_size_for(m, data, optimizer=opt, loss_fn=nn.CrossEntropyLoss(),
-                                       capacity=capacity, target=target, strategy=strategy)
+                                       capacity=capacity, target=target, strategy=strategy, plan_first=seeded)
             rows.append({
                 "model": name,
-                "strategy": strategy,
+                "strategy": f"{strategy}+plan" if seeded else strategy,
+                "first_guess": plan.first_guess,
+                "plan_seconds": round(plan.plan_seconds, 3),
                 "trials": plan.num_trials,
                 "ooms": plan.num_ooms,
                 "over_target": sum(t.outcome == "over_target" for t in plan.trials),
@@ -103,11 +113,13 @@ def run(models: list[str], strategies: list[str], capacity: int, target: float) 
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("model", "strategy", "trials", "OOMs", "over", "seconds", "found", "true max", "found/true")
+    seeded = any(r["strategy"].endswith("+plan") for r in rows)
+    head = ("model", "strategy", "trials", "OOMs", "over", "seconds", *(("plan s",) if seeded else ()),
+            "found", "true max", "found/true")
     body = [
         (r["model"], r["strategy"], str(r["trials"]), str(r["ooms"]), str(r["over_target"]),
-         f"{r['seconds']:.2f}", str(r["found"]), str(r["true_max"]),
-         "-" if r["ratio"] is None else f"{r['ratio']:.3f}")
+         f"{r['seconds']:.2f}", *((f"{r['plan_seconds']:.2f}",) if seeded else ()), str(r["found"]),
+         str(r["true_max"]), "-" if r["ratio"] is None else f"{r['ratio']:.3f}")
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -123,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.8, help="fraction of the capacity (default 0.8)")
     parser.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated reference models")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
+    parser.add_argument("--plan-first", action="store_true",
+                        help="also run predict seeded by the planner (find_batch_size_for(plan_first=True))")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every trial")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     capacity = parse_bytes(args.capacity)
-    rows = run(args.models.split(","), args.strategies.split(","), capacity, args.target)
+    rows = run(args.models.split(","), args.strategies.split(","), capacity, args.target, args.plan_first)
     print(f"capacity {format_bytes(capacity)} (emulated, CPU), target {args.target}, "
           f"limit {format_bytes(int(args.target * capacity))}, {STEPS} steps per trial, Adam; "
           "decay starts at 256")

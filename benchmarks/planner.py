@@ -1,6 +1,6 @@
-"""The planner: fake-tensor estimates against the CPU tracker, their cost, and planner-seeded finding.
+"""The planner: fake-tensor estimates against the CPU tracker, and their cost.
 
-Three tables, one command:
+Two tables, one command:
 
 1. *Estimates*: per reference model and batch size (up to 65536), the seconds one
    fake estimate takes, the estimated peak, and for small batches the CPU tracker's
@@ -9,14 +9,14 @@ Three tables, one command:
    reserved): predictions only, to be checked by the GPU validation script.
 2. *Plans*: the planned batch for a named GPU and for a CPU capacity, the number of
    fake runs and the seconds the whole plan took.
-3. *Finder*: ``find_batch_size`` alone against ``find_batch_size`` with
-   ``first_guess`` from the planner, on the benchmark models under an emulated
-   CPU capacity: trials, OOMs, the answers, and seconds (plan included).
+
+The planner-seeded finder (``find_batch_size_for(plan_first=True)``) is compared with
+the finder alone in ``benchmarks/finder.py --plan-first``.
 
 Times on a shared 2-core machine are noisy: compare them within one run.
 
     python benchmarks/planner.py                 # everything
-    python benchmarks/planner.py --quick         # smaller finder models and batches
+    python benchmarks/planner.py --quick         # batches up to 4096
     python benchmarks/planner.py --json out.json
 """
 
@@ -26,21 +26,15 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _harness import BENCH_MODELS, QUICK_MODELS  # noqa: E402
-
-from batchpilot.find import find_batch_size  # noqa: E402
-from batchpilot.gpus import CudaAccounting  # noqa: E402
-from batchpilot.memory import format_bytes, parse_bytes, track_peak  # noqa: E402
-from batchpilot.models import MODEL_NAMES, build_model, example_batch  # noqa: E402
-from batchpilot.plan import default_step, estimate_peak_memory, plan_batch_size  # noqa: E402
+from batchpilot.gpus import CudaAccounting
+from batchpilot.memory import format_bytes, track_peak
+from batchpilot.models import MODEL_NAMES, build_model, example_batch
+from batchpilot.plan import default_step, estimate_peak_memory, plan_batch_size
 
 BATCHES = (1, 16, 256, 4096, 65536)
 REAL_UP_TO = 256  # real CPU steps beyond this take too long for a benchmark run
@@ -96,33 +90,6 @@ def plans_table() -> list[dict[str, Any]]:
     return rows
 
 
-def finder_table(quick: bool, capacity: str) -> list[dict[str, Any]]:
-    rows = []
-    cap = parse_bytes(capacity)
-    for name, spec in (QUICK_MODELS if quick else BENCH_MODELS).items():
-        torch.manual_seed(0)
-        model = build_model(spec["model"], **spec["kwargs"])
-        opt = adam(model.parameters())
-
-        def step(b: int) -> None:
-            default_step(model, opt, example_batch(model, b))
-
-        for seeded in (False, True):
-            started = time.perf_counter()
-            guess, plan_s = None, 0.0
-            if seeded:
-                plan = plan_batch_size(model, example_batch(model, 2), optimizer=opt, capacity=cap)
-                guess, plan_s = plan.batch_size, plan.seconds
-            found = find_batch_size(step, device="cpu", capacity=cap, restore=[model, opt], first_guess=guess)
-            rows.append({
-                "model": name, "method": "planner + finder" if seeded else "finder alone",
-                "plan_batch": guess, "batch": found.batch_size, "trials": found.num_trials,
-                "ooms": found.num_ooms, "sizes": [t.batch_size for t in found.trials],
-                "plan_seconds": round(plan_s, 2), "seconds": round(time.perf_counter() - started, 2),
-            })
-    return rows
-
-
 _BYTE_COLUMNS = ("estimate_bytes", "tracker_bytes", "cuda_allocated", "cuda_reserved", "required_at_b", "limit")
 
 
@@ -144,8 +111,7 @@ def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> N
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="batches up to 4096, the small finder models")
-    p.add_argument("--capacity", default="128MiB", help="emulated CPU capacity for the finder table")
+    p.add_argument("--quick", action="store_true", help="batches up to 4096")
     p.add_argument("--json", type=Path, help="also write the tables as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -159,14 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     plans = plans_table()
     print_table("Plans (target 0.8)", plans,
                 ["model", "capacity", "device", "batch", "fake_runs", "seconds", "required_at_b", "limit"])
-    finds = finder_table(args.quick, args.capacity)
-    print_table(f"Finder alone vs planner-seeded finder (CPU, emulated {args.capacity}, target 0.8)", finds,
-                ["model", "method", "plan_batch", "batch", "trials", "ooms", "sizes", "plan_seconds", "seconds"])
     bad = [r for r in est if r["difference"] not in (None, 0)]
     if bad:
         print(f"\nMISMATCH: {len(bad)} estimates differ from the tracker", file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps({"estimates": est, "plans": plans, "finder": finds}, indent=2))
+        args.json.write_text(json.dumps({"estimates": est, "plans": plans}, indent=2))
     return 1 if bad else 0
 
 

@@ -216,6 +216,91 @@ def test_first_guess_from_a_planner_is_verified_in_two_trials():
     assert plan.batch_size == answer and [t.batch_size for t in plan.trials] == [answer, answer + 1]
 
 
+def test_a_caller_first_guess_is_recorded_but_not_as_a_plan():
+    model, opt, batch = setup("cnn")
+    plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
+                               first_guess=3)
+    assert plan.trials[0].batch_size == 3 and plan.first_guess == 3 and plan.seeded_by is None
+
+
+# ---------------------------------------------------------------------------
+# planner-seeded search (plan_first)
+
+
+@pytest.mark.parametrize("name,mode", [("mlp", "train"), ("cnn", "train"), ("transformer", "train"), ("cnn", "eval")])
+def test_plan_first_verifies_the_plan_in_two_trials_with_the_same_answer(name, mode):
+    model, opt, batch = setup(name)
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY, mode=mode)
+    alone = find_batch_size_for(model, batch, **kw)
+    before = state_of(model, opt)
+    seeded = find_batch_size_for(model, batch, plan_first=True, **kw)
+    assert_same_state(before, state_of(model, opt))
+    b = alone.batch_size
+    assert seeded.batch_size == b and seeded.stop_reason == "boundary"
+    # the plan is exact on CPU: its size fits and the next one, the check, does not
+    assert [t.batch_size for t in seeded.trials] == [b, b + 1] and seeded.num_ooms == 0
+    assert seeded.first_guess == b and seeded.seeded_by == "plan"
+    assert 0 < seeded.plan_seconds <= seeded.seconds
+    assert alone.num_trials > seeded.num_trials
+
+
+def test_plan_first_leaves_out_the_example_batch_the_finder_keeps():
+    from batchpilot.plan import plan_batch_size
+
+    model, opt, _ = setup("mlp")
+    pool = example_batch(model, 256, generator=torch.Generator().manual_seed(0))  # 66 KiB: ~15 samples' worth
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
+    alone = find_batch_size_for(model, pool, **kw)
+    seeded = find_batch_size_for(model, pool, plan_first=True, **kw)
+    b = alone.batch_size
+    assert seeded.batch_size == b and [t.batch_size for t in seeded.trials] == [b, b + 1]
+    # planned against the whole limit, the pool the finder's trials hold would be missed
+    naive = plan_batch_size(model, pool, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
+    assert naive.batch_size > b + 1
+
+
+class _ItemMLP(nn.Module):
+    """An MLP whose forward reads a value back with ``.item()``: it runs, but cannot be planned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = build_model("mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        return y / (1.0 + y.detach().abs().max().item())
+
+
+def test_plan_first_falls_back_to_the_finder_when_the_step_cannot_be_planned(caplog):
+    torch.manual_seed(0)
+    model = _ItemMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batch = example_batch(model.mlp, 4, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="batchpilot.find"):
+        plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
+                                   plan_first=True)
+    why = [r for r in caplog.records if "cannot be planned" in r.getMessage()]
+    assert len(why) == 1 and why[0].levelno == logging.INFO and ".item()" in why[0].getMessage()
+    assert plan.seeded_by is None and plan.first_guess is None and plan.plan_seconds > 0
+    assert plan.trials[0].batch_size == 1 and plan.stop_reason == "boundary"
+    b = plan.batch_size
+    assert direct_peak(model, opt, batch, b) <= plan.limit_bytes < direct_peak(model, opt, batch, b + 1)
+
+
+def test_plan_first_and_first_guess_are_exclusive_and_options_are_checked_before_planning(monkeypatch):
+    import batchpilot.plan
+
+    model, opt, batch = setup("mlp")
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY, plan_first=True)
+    planned = []
+    monkeypatch.setattr(batchpilot.plan, "plan_batch_size", lambda *a, **k: planned.append(1))
+    with pytest.raises(BatchSizeError, match="first_guess or plan_first"):
+        find_batch_size_for(model, batch, first_guess=8, **kw)
+    with pytest.raises(BatchSizeError, match="target"):
+        find_batch_size_for(model, batch, target=1.5, **kw)
+    assert planned == []
+
+
 def test_max_batch_size_bounds_the_search():
     model, opt, batch = setup("cnn")
     plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
@@ -249,9 +334,10 @@ def test_plan_to_dict_is_json_and_logs_one_line_per_trial(caplog):
     assert isinstance(plan, BatchPlan)
     d = json.loads(json.dumps(plan.to_dict()))
     for key in ("batch_size", "target", "capacity", "limit_bytes", "strategy", "device", "trials", "fit",
-                "num_trials", "num_ooms", "seconds", "limited_by_rank"):
+                "num_trials", "num_ooms", "seconds", "limited_by_rank", "first_guess", "seeded_by", "plan_seconds"):
         assert key in d
     assert d["strategy"] == "predict" and d["device"] == "cpu" and d["num_trials"] == len(d["trials"])
+    assert d["first_guess"] is None and d["seeded_by"] is None and d["plan_seconds"] == 0.0
     assert set(d["trials"][0]) >= {"batch_size", "outcome", "peak_bytes", "seconds"}
     assert d["fit"]["bytes_per_sample"] > 0 and d["limited_by_rank"] is None
     lines = [r for r in caplog.records if r.getMessage().startswith("trial ")]

@@ -15,9 +15,11 @@ from batchpilot.memory import (
     parse_bytes,
     resolve_device,
     track_peak,
+    untracked,
 )
 from batchpilot.models import MLP, SmallCNN
 from batchpilot.oom import is_oom
+from batchpilot.snapshot import StateSnapshot
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -120,6 +122,91 @@ def test_nested_track_peak_windows():
         del a
     assert inner.start_bytes == 400 and inner.peak_bytes == 600
     assert outer.peak_bytes == 600 and outer.end_bytes == 0
+
+
+def test_paused_counts_nothing_but_sees_frees():
+    with StorageTracker() as tr:
+        a = torch.empty(100)
+        b = torch.empty(50)
+        with tr.paused() as same:
+            assert same is tr and tr.is_paused
+            host = torch.empty(1000)
+            c = a * 2  # reads a counted tensor, makes a new one: neither changes the count
+            assert tr.live == 600 and tr.peak == 600
+            del b  # a counted storage freed inside still leaves the count
+            assert tr.live == 400
+            with tr.paused():  # nests
+                more = torch.empty(10)
+            assert tr.is_paused
+        assert not tr.is_paused
+        assert tr.live == 400 and tr.peak == 600
+        d = a + 1  # counting is back
+        assert tr.live == 800
+        # a tensor made inside counts like one made before the tracker: when read, or when tracked
+        e = host[:1] + 0
+        assert tr.live == 800 + 4000 + 4
+        tr.track(c)
+        assert tr.live == 800 + 4000 + 4 + 400
+        del a, c, d, e, host, more
+        assert tr.live == 0
+
+
+def test_untracked_leaves_nested_windows_untouched():
+    with track_peak("cpu") as outer:
+        a = torch.empty(100)
+        with track_peak("cpu") as inner:
+            with untracked() as paused:
+                assert paused == [active_tracker()]
+                big = torch.empty(10_000)
+                del big
+            b = torch.empty(50)
+            del b
+        del a
+    assert inner.start_bytes == 400 and inner.peak_bytes == 600 and inner.end_bytes == 400
+    assert outer.peak_bytes == 600 and outer.end_bytes == 0
+
+
+def test_untracked_does_not_enforce_the_capacity():
+    x = torch.ones(10)
+    with emulate_capacity(1000, track=(x,)) as probe:
+        tr = active_tracker()
+        with untracked("cpu"):
+            host = x.repeat(1000)  # 40 kB, far past the 1000-byte device
+        assert tr.live == 40 and tr.peak == 40 and probe.capacity() == 1000
+        with pytest.raises(torch.OutOfMemoryError):
+            x.repeat(1000)
+    assert host.numel() == 10_000
+
+
+def test_untracked_pauses_only_the_named_device_and_is_a_no_op_without_trackers():
+    with untracked() as none:
+        assert none == []
+        torch.empty(10)
+    with StorageTracker() as tr:
+        with untracked("cuda") as other:
+            assert other == [] and not tr.is_paused
+            a = torch.empty(10)
+        assert tr.live == 40
+        with untracked(None) as every:
+            assert every == [tr] and tr.is_paused
+        del a
+
+
+def test_snapshot_copies_are_never_counted_and_restored_state_is():
+    model, opt, x, y, step = make("mlp")
+    step()  # Adam state exists: the snapshot copies it, the restore replaces it
+    with emulate_capacity("1GiB", track=(model, opt, x, y)):
+        tr = active_tracker()
+        live, peak = tr.live, tr.peak
+        tr.capacity = live + 1  # the snapshot (as large as model + state) would not fit
+        snap = StateSnapshot([model, opt])
+        assert (tr.live, tr.peak) == (live, peak)
+        tr.capacity = 2**30
+        step()
+        snap.restore()  # load_state_dict makes new state tensors: counted, the host copies not
+        assert tr.live == live
+        counted = sum(nbytes(t) for s in opt.state.values() for t in s.values())
+        assert counted > 0 and all(id(t.untyped_storage()) in tr._sizes for s in opt.state.values() for t in s.values())
 
 
 def test_probe_inside_tracker_is_exact():

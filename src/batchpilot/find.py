@@ -4,7 +4,8 @@
 (:mod:`batchpilot.search`) asks for, measures each trial's peak with the memory
 probes, recovers from OOMs, and puts the model, optimizer and RNG state back
 afterwards. :func:`find_batch_size_for` builds the step from a model, an
-optimizer, a loss and an example batch.
+optimizer, a loss and an example batch, and with ``plan_first=True`` starts
+from the planner's answer (:mod:`batchpilot.plan`), which the search verifies.
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ class BatchPlan:
         steps_per_trial: training steps run per trial.
         limited_by_rank: in a distributed search, the rank whose memory set the
             answer (filled in by the distributed layer).
+        first_guess: the size tried first when one was given (by the caller
+            or the planner), else ``None``.
+        seeded_by: ``"plan"`` when ``first_guess`` came from the planner
+            (``find_batch_size_for(..., plan_first=True)``), else ``None``.
+        plan_seconds: wall time of that planning pass (also when it failed
+            and the search ran unseeded); included in ``seconds``.
     """
 
     batch_size: int
@@ -150,6 +157,9 @@ class BatchPlan:
     stop_reason: str = "boundary"
     steps_per_trial: int = 2
     limited_by_rank: int | None = None
+    first_guess: int | None = None
+    seeded_by: Literal["plan"] | None = None
+    plan_seconds: float = 0.0
 
     @property
     def num_trials(self) -> int:
@@ -284,7 +294,7 @@ def find_batch_size(
         strategy=policy.name, device=str(dev), trials=result.trials,
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
         seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
-        steps_per_trial=cfg.steps_per_trial,
+        steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess,
     )
     if result.stop_reason == "max_trials":
         logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
@@ -434,6 +444,10 @@ def _default_forward(mode: str, loss_fn: Callable[..., torch.Tensor] | None) -> 
     return forward
 
 
+def _autocast(device_type: str, amp_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+
+
 def find_batch_size_for(
     model: nn.Module,
     batch: Any,
@@ -445,6 +459,7 @@ def find_batch_size_for(
     amp_dtype: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     restore: Iterable[Any] | None = None,
+    plan_first: bool = False,
     **options: Any,
 ) -> BatchPlan:
     """Find the batch size for a model without writing the step.
@@ -455,6 +470,16 @@ def find_batch_size_for(
     ``torch.inference_mode()`` with the model in eval mode, which fits far
     larger batches. The default forward takes ``(inputs, targets)`` batches:
     ``loss_fn(model(inputs), targets)``; a dict of inputs is passed as keywords.
+
+    With ``plan_first=True`` one planning pass on fake tensors
+    (:func:`batchpilot.plan.plan_batch_size`, same step, capacity and target)
+    picks the first real trial, which the search then verifies on the device:
+    when the plan is right that is two trials (b fits, b + 1 does not) and no
+    OOM. It pays where real trials are dear (a GPU); on a CPU the fake runs
+    can take longer than the small real trials they save. A step that cannot
+    be planned (``.item()``, data-dependent shapes, custom operators without a
+    meta kernel) is searched without the seed, as is one the plan says does
+    not fit at all; the reason is logged at INFO.
 
     Args:
         model: the model, already on its device (which is the one measured
@@ -470,12 +495,16 @@ def find_batch_size_for(
         amp_dtype: run the forward under ``torch.autocast`` with this dtype.
         scaler: a ``GradScaler`` for fp16 training.
         restore: what to snapshot and restore; default the model, optimizer and scaler.
+        plan_first: seed the search with the planner's answer (``first_guess``);
+            the result's ``seeded_by`` is ``"plan"`` when it was used.
         **options: any keyword of :func:`find_batch_size` (``target``,
             ``capacity``, ``strategy``, ``max_batch_size``, …).
 
     Raises:
         ValueError: unknown mode, or training without an optimizer or loss.
-        BatchSizeError, NothingFitsError: as :func:`find_batch_size`.
+        BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a
+            ``first_guess`` (raised before any planning or trial).
+        NothingFitsError: as :func:`find_batch_size`.
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
@@ -487,16 +516,21 @@ def find_batch_size_for(
     fwd = forward or _default_forward(mode, loss_fn)
     params = list(model.parameters())
     device = options.pop("device", params[0].device if params else None)
-    dev_type = resolve_device(device).type
+    dev = resolve_device(device)
     targets = list(restore) if restore is not None else [model, optimizer, scaler]
-
-    def autocast() -> contextlib.AbstractContextManager:
-        return torch.autocast(dev_type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+    seed = None
+    if plan_first:
+        if options.get("first_guess") is not None:
+            raise BatchSizeError("pass first_guess or plan_first=True, not both: the plan is a first guess")
+        cfg = FinderConfig(**options)  # bad options fail here, before the planning pass
+        seed = _plan_seed(model, batch, optimizer=optimizer, forward=fwd, mode=mode, amp_dtype=amp_dtype,
+                          cfg=cfg, device=dev)
+        options["first_guess"] = seed.batch_size
 
     def train_step(b: int) -> None:
         data = make(b)
         optimizer.zero_grad(set_to_none=True)
-        with autocast():
+        with _autocast(dev.type, amp_dtype):
             loss = fwd(model, data)
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -508,15 +542,141 @@ def find_batch_size_for(
 
     def eval_step(b: int) -> None:
         data = make(b)
-        with torch.inference_mode(), autocast():
+        with torch.inference_mode(), _autocast(dev.type, amp_dtype):
             fwd(model, data)
 
     if mode == "eval":
         flags = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
-            return find_batch_size(eval_step, device=device, restore=targets, **options)
+            plan = find_batch_size(eval_step, device=device, restore=targets, **options)
         finally:
             for m, flag in flags:
                 m.training = flag
-    return find_batch_size(train_step, device=device, restore=targets, **options)
+    else:
+        plan = find_batch_size(train_step, device=device, restore=targets, **options)
+    if seed is not None:
+        plan.plan_seconds = seed.seconds
+        plan.seconds += seed.seconds
+        plan.seeded_by = "plan" if seed.batch_size is not None else None
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# planner seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Seed:
+    """The planner's first guess (``None``: search unseeded) and the seconds planning took."""
+
+    batch_size: int | None
+    seconds: float
+
+
+def _pool_storage_bytes(batch: Any, device: torch.device) -> list[int]:
+    """Bytes of the example batch's storages on ``device``, each storage once.
+
+    :func:`make_batch_fn` reads every batch's rows from the example batch, so
+    the finder's measurements count that pool (the tracker counts a storage
+    once it is read; a caching allocator holds it anyway) on top of the batch
+    itself; the planner builds each batch from shapes alone. A callable batch
+    has no pool.
+    """
+    if callable(batch) and not isinstance(batch, torch.Tensor):
+        return []
+    sizes: dict[int, int] = {}
+    for t in tree_flatten(batch)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device == device:
+            st = t.untyped_storage()
+            sizes[id(st)] = st.nbytes()
+    return list(sizes.values())
+
+
+def _cuda_accounting(device: torch.device) -> Any:
+    """Allocator accounting for this GPU, without the CUDA context.
+
+    The finder's peak is ``max_memory_allocated``, which never includes the
+    context, so the plan must leave it out too; the cuBLAS workspace size
+    depends on the architecture, as in :mod:`batchpilot.gpus`.
+    """
+    from .gpus import (
+        CUBLAS_WORKSPACE_DEFAULT,
+        CUBLAS_WORKSPACE_HOPPER,
+        HIPBLAS_WORKSPACE_MI300,
+        CudaAccounting,
+    )
+
+    if torch.version.hip:
+        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+        workspace = HIPBLAS_WORKSPACE_MI300 if arch.startswith(("gfx94", "gfx95")) else CUBLAS_WORKSPACE_HOPPER
+    else:
+        major = torch.cuda.get_device_capability(device)[0]
+        workspace = CUBLAS_WORKSPACE_HOPPER if major in (9, 10, 12) else CUBLAS_WORKSPACE_DEFAULT
+    return CudaAccounting(blas_workspace=workspace, context=0)
+
+
+def _plan_seed(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    forward: Callable[[nn.Module, Any], Any],
+    mode: str,
+    amp_dtype: torch.dtype | None,
+    cfg: FinderConfig,
+    device: torch.device,
+) -> _Seed:
+    """One planning pass for the limit the finder will measure against.
+
+    The planner runs the finder's own step (same forward, ``steps_per_trial``
+    steps; a GradScaler's few scalar tensors are left out) and solves for
+    ``target × capacity`` less the example batch the finder keeps on the
+    device (see :func:`_pool_storage_bytes`), so that on CPU its answer is the
+    finder's byte for byte. On CUDA it predicts ``max_memory_allocated``
+    (allocator rounding and cuBLAS workspaces, no context); memory held by
+    anything else on the device is not in the plan and is left to the
+    verification.
+    """
+    # imported here: fake tensors and the GPU tables are needed only when a plan is asked for
+    from .plan import PlanningError, plan_batch_size
+
+    started = time.perf_counter()
+    cap = cfg.capacity if cfg.capacity is not None else get_probe(device).capacity()
+    limit = int(cfg.target * cap)
+    accounting = _cuda_accounting(device) if device.type == "cuda" else None
+    pool = sum(accounting.block_size(n) if accounting else n for n in _pool_storage_bytes(batch, device))
+    if limit <= pool:
+        logger.info("plan_first: the example batch alone (%s) fills the limit %s; searching unseeded",
+                    format_bytes(pool), format_bytes(limit))
+        return _Seed(batch_size=None, seconds=time.perf_counter() - started)
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer | None, data: Any) -> None:
+        # fake tensors are CPU tensors whatever the device: autocast must name the CPU
+        if mode == "eval":
+            with torch.no_grad(), _autocast("cpu", amp_dtype):
+                forward(m, data)
+            return
+        opt.zero_grad(set_to_none=True)
+        with _autocast("cpu", amp_dtype):
+            loss = forward(m, data)
+        loss.backward()
+        opt.step()
+
+    try:
+        plan = plan_batch_size(
+            model, batch, capacity=limit - pool, target=1.0, optimizer=optimizer if mode == "train" else None,
+            step_fn=step, steps=cfg.steps_per_trial, mode=mode, device="cpu" if accounting is None else "cuda",
+            accounting=accounting, max_batch_size=cfg.max_batch_size or 1 << 20,
+        )
+    except PlanningError as exc:
+        logger.info("plan_first: searching unseeded, the step cannot be planned: %s", exc)
+        return _Seed(batch_size=None, seconds=time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    if plan.batch_size == 0:
+        logger.info("plan_first: the plan says even a batch of 1 needs more than %s; searching unseeded",
+                    format_bytes(limit - pool))
+        return _Seed(batch_size=None, seconds=seconds)
+    logger.info("plan_first: planned batch %d in %d fake runs (%.2fs); verifying it on %s",
+                plan.batch_size, len(plan.evaluations), seconds, device)
+    return _Seed(batch_size=plan.batch_size, seconds=seconds)

@@ -30,6 +30,7 @@ __all__ = [
     "get_probe",
     "StorageTracker",
     "active_tracker",
+    "untracked",
     "PeakMeasurement",
     "track_peak",
     "emulate_capacity",
@@ -133,6 +134,10 @@ class StorageTracker(TorchDispatchMode):
     device of that size. Allocations made inside a kernel that never surface as
     tensors (scratch buffers) are invisible, as they are to every
     dispatch-level tracker.
+
+    :meth:`paused` (or :func:`untracked` for every running tracker) switches
+    the counting off for a block, e.g. for copies kept in host memory that are
+    not device memory.
     """
 
     def __init__(self, device: torch.device | str = "cpu", capacity: int | None = None) -> None:
@@ -145,6 +150,8 @@ class StorageTracker(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._windows: list[PeakMeasurement] = []
         self._lock = threading.Lock()
+        # per thread: another thread's operators are still device memory while one thread pauses
+        self._pause = threading.local()
 
     # -- bookkeeping ------------------------------------------------------
     def _release(self, key: int, _ref: Any) -> None:
@@ -197,9 +204,39 @@ class StorageTracker(TorchDispatchMode):
         with self._lock:
             self.peak = self.live
 
+    @property
+    def is_paused(self) -> bool:
+        """True inside :meth:`paused` on the calling thread."""
+        return getattr(self._pause, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[StorageTracker]:
+        """Neither count nor limit the operators the calling thread runs in this block.
+
+        Inside, new storages are not counted, ``capacity`` is not enforced and
+        the peak (of the tracker and of every :func:`track_peak` window) does
+        not move. Frees are still seen: a counted storage released inside
+        leaves the count as usual. A tensor created inside is unknown to the
+        tracker afterwards, like one made before the tracker started: it
+        counts from the first operator that reads it outside a pause, or when
+        given to :meth:`track`. Calls nest; :meth:`track` counts even while paused.
+
+        Example::
+
+            with tracker.paused():
+                host_copy = weights.detach().clone()  # not device memory
+        """
+        self._pause.depth = getattr(self._pause, "depth", 0) + 1
+        try:
+            yield self
+        finally:
+            self._pause.depth -= 1
+
     # -- interception -----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(self._pause, "depth", 0):
+            return func(*args, **kwargs)
         inputs = [st for st in map(self._storage, tree_flatten((args, kwargs))[0]) if st is not None]
         unseen = [st for st in inputs if id(st) not in self._sizes]
         if unseen:
@@ -250,6 +287,24 @@ def active_tracker(device: torch.device | str = "cpu") -> StorageTracker | None:
         if tr.device == dev:
             return tr
     return None
+
+
+@contextlib.contextmanager
+def untracked(device: torch.device | str | None = "cpu") -> Iterator[list[StorageTracker]]:
+    """Pause every :class:`StorageTracker` running for ``device`` (``None``: every device).
+
+    The public way to allocate memory that is not device memory while a
+    tracker runs — a snapshot's host copies, say: nothing the calling thread
+    allocates in the block is counted or limited (see
+    :meth:`StorageTracker.paused`). Trackers started inside the block are not
+    paused. Without a running tracker it does nothing. Yields the paused trackers.
+    """
+    dev = None if device is None else torch.device(device)
+    trackers = [tr for tr in _ACTIVE if dev is None or tr.device == dev]
+    with contextlib.ExitStack() as stack:
+        for tr in trackers:
+            stack.enter_context(tr.paused())
+        yield trackers
 
 
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:

@@ -15,10 +15,12 @@ leave no trace. It copies, to host memory:
 - the RNG states of torch (CPU, and CUDA when initialised), numpy's global
   generator and python's ``random``.
 
-Copies are made and restored with any dispatch mode switched off, so a
-:class:`~batchpilot.memory.StorageTracker` does not count the snapshot as device
-memory (it lives on the host); tensors the restore creates are then registered
-with the running tracker so that its count stays exact.
+Copies are made and restored under :func:`~batchpilot.memory.untracked`, so a
+running :class:`~batchpilot.memory.StorageTracker` never counts the snapshot
+(it is host memory, not the device's) nor enforces its capacity on it; the
+tensors a restore creates (re-attached gradients, the optimizer state handed
+to ``load_state_dict``) are then registered with every paused tracker, so that
+their counts stay exact.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
-from .memory import active_tracker
+from .memory import untracked
 
 __all__ = ["StateSnapshot", "RngState"]
 
@@ -162,7 +163,7 @@ class StateSnapshot:
 
     def __init__(self, objects: Iterable[Any] = (), *, rng: bool = True) -> None:
         self.objects = [o for o in objects if o is not None]
-        with _disable_current_modes():
+        with untracked(_CPU):
             self._parts: list[Any] = [self._capture(o) for o in self.objects]
             self._rng = RngState() if rng else None
 
@@ -181,12 +182,11 @@ class StateSnapshot:
 
     def restore(self) -> None:
         """Put every captured state back; safe to call any number of times."""
-        with _disable_current_modes():
+        with untracked(_CPU) as trackers:
             for part in self._parts:
                 part.restore()
             if self._rng is not None:
                 self._rng.restore()
-        tracker = active_tracker(_CPU)
-        if tracker is not None:
+        for tracker in trackers:
             # tensors created above were invisible to the tracker: count them now
             tracker.track(*self.objects)
