@@ -1,0 +1,537 @@
+"""GPU validation: does batchpilot's arithmetic hold on a real accelerator? One command, one table.
+
+For each model (an MLP, a ResNet-50-sized bottleneck CNN and a GPT-2-small-sized
+transformer, all written here) it checks:
+
+1. planner: ``estimate_peak_memory`` against the measured ``max_memory_allocated`` and
+   ``max_memory_reserved`` of two real training steps, at three batch sizes (error %);
+2. finder: ``find_batch_size`` (predict, ``--target``) under an emulated capacity
+   (``set_per_process_memory_fraction`` on CUDA) against the exhaustive truth, found by
+   bisection over real two-step runs under the same cap;
+3. throughput: samples/s at the batch the finder found against batch 32;
+4. OOM recovery: the seconds one OOM costs in the ``Engine`` (the first step of an engine whose
+   first micro-batch runs out of memory, minus the first step of a fresh engine started at the
+   micro-batch the first one settled on).
+
+On CUDA (default when available) the models are full size with bf16 autocast and the
+whole run takes a few minutes on one H200. ``--device cpu --small`` runs the same
+pipeline at tiny sizes on CPU, where memory is exact tensor bytes (the storage tracker),
+capacities are emulated by the tracker and the run takes well under a minute: that is
+what the tests run.
+
+    python benchmarks/gpu_validate.py --json gpu_validate.json
+    python benchmarks/gpu_validate.py --device cpu --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import machine  # noqa: E402
+
+from batchpilot.engine import Engine, EngineConfig  # noqa: E402
+from batchpilot.find import find_batch_size  # noqa: E402
+from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
+from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track_peak  # noqa: E402
+from batchpilot.models import MLP  # noqa: E402
+from batchpilot.oom import attempt, free_memory  # noqa: E402
+from batchpilot.plan import default_step, estimate_peak_memory  # noqa: E402
+from batchpilot.report import format_table, write_json  # noqa: E402
+from batchpilot.snapshot import StateSnapshot  # noqa: E402
+
+COLUMNS = ("model", "check", "setting", "batchpilot", "measured", "error / ratio")
+MODELS = ("mlp", "resnet50", "gpt2")
+
+
+# ---------------------------------------------------------------------------
+# models written here, sized by arguments
+
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carries the stride), 1x1 expand x4, residual."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """Bottleneck ResNet; ``layers=(3, 4, 6, 3)``, ``widths=(64, 128, 256, 512)`` is ResNet-50 (25.6M params)."""
+
+    def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), widths: tuple[int, ...] = (64, 128, 256, 512),
+                 num_classes: int = 1000, imagenet_stem: bool = True) -> None:
+        super().__init__()
+        c = widths[0]
+        if imagenet_stem:  # 7x7 stride 2 and a max-pool: 224 -> 56
+            self.stem = nn.Sequential(nn.Conv2d(3, c, 7, 2, 3, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
+                                      nn.MaxPool2d(3, 2, 1))
+        else:  # small images keep their resolution
+            self.stem = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+        blocks: list[nn.Module] = []
+        for i, (n, w) in enumerate(zip(layers, widths)):
+            for j in range(n):
+                blocks.append(Bottleneck(c, w, 2 if j == 0 and i > 0 else 1))
+                c = 4 * w
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; the defaults are GPT-2 small (124M params, tied embeddings)."""
+
+    def __init__(self, vocab: int = 50257, seq_len: int = 1024, layers: int = 12, dim: int = 768,
+                 heads: int = 12) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq_len, dim)
+        self.blocks = nn.Sequential(*(GPTBlock(dim, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.lm_head(self.ln(self.blocks(self.wte(idx) + self.wpe(pos))))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def class_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets)
+
+
+@dataclass
+class Case:
+    """One model to validate: how to build it, make a batch of ``b``, and score it."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    plan_sizes: tuple[int, int, int]
+
+
+def _images(size: int, classes: int) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda b, dev: (torch.randn(b, 3, size, size, device=dev), torch.randint(0, classes, (b,), device=dev))
+
+
+def _vectors(features: int, classes: int) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda b, dev: (torch.randn(b, features, device=dev), torch.randint(0, classes, (b,), device=dev))
+
+
+def _tokens(vocab: int, seq: int) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda b, dev: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev))
+
+
+def cases(small: bool) -> dict[str, Case]:
+    """Full sizes for a GPU, or tiny ones (``small``) that run in seconds on a CPU."""
+    if small:
+        return {
+            "mlp": Case("mlp", lambda: MLP(64, 64, 8, 10), _vectors(64, 10), class_loss, (8, 32, 128)),
+            "resnet50": Case("resnet50", lambda: ResNet((1, 1), (4, 8), 10, imagenet_stem=False),
+                             _images(16, 10), class_loss, (2, 8, 16)),
+            "gpt2": Case("gpt2", lambda: GPT(vocab=128, seq_len=16, layers=2, dim=32, heads=2), _tokens(128, 16),
+                         lm_loss, (2, 8, 16)),
+        }
+    return {
+        "mlp": Case("mlp", lambda: MLP(3072, 2048, 4, 1000), _vectors(3072, 1000), class_loss, (256, 1024, 4096)),
+        "resnet50": Case("resnet50", lambda: ResNet(), _images(224, 1000), class_loss, (16, 64, 128)),
+        "gpt2": Case("gpt2", lambda: GPT(seq_len=512), _tokens(50257, 512), lm_loss, (2, 8, 16)),
+    }
+
+
+# ---------------------------------------------------------------------------
+# measurement helpers
+
+
+class Runner:
+    """A model, its Adam optimizer and the training step every check runs."""
+
+    def __init__(self, case: Case, device: torch.device, amp: str | None) -> None:
+        torch.manual_seed(0)
+        self.case, self.device, self.amp = case, device, amp
+        self.model = case.build().to(device)
+        self.optimizer = self.new_optimizer()
+
+    def new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.model.parameters(), lr=1e-4)
+
+    def step(self, b: int) -> None:
+        """forward / backward / Adam on a fresh batch of ``b``; the planner's ``default_step``."""
+        default_step(self.model, self.optimizer, self.case.make_batch(b, self.device), loss_fn=self.case.loss,
+                     amp=self.amp)
+
+    def engine_loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.case.loss(model(batch[0]), batch[1])
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer = self.new_optimizer()
+        free_memory(self.device)
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def measure_peak(r: Runner, b: int, steps: int = 2) -> tuple[int, int]:
+    """``(max allocated, max reserved)`` bytes of ``steps`` real steps from a fresh optimizer."""
+    r.release()
+    batch = r.case.make_batch(b, r.device)
+    if r.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(r.device)
+        for _ in range(steps):
+            default_step(r.model, r.optimizer, batch, loss_fn=r.case.loss, amp=r.amp)
+        r.sync()
+        out = (torch.cuda.max_memory_allocated(r.device), torch.cuda.max_memory_reserved(r.device))
+    else:  # exact tensor bytes; a CPU has no reserve beyond them
+        with track_peak("cpu", track=(r.model, r.optimizer, batch)) as m:
+            for _ in range(steps):
+                default_step(r.model, r.optimizer, batch, loss_fn=r.case.loss, amp=r.amp)
+        out = (m.peak_bytes, m.peak_bytes)
+    del batch
+    r.release()
+    return out
+
+
+def cuda_accounting(device: torch.device) -> Any:
+    """The planner's accounting for this card: a known GPU by name (closest memory), else the default."""
+    name = torch.cuda.get_device_name(device).upper()
+    total = torch.cuda.get_device_properties(device).total_memory
+    matches = [g for g in known_gpus() if g.split("-")[0].upper() in name.replace(" ", "")]
+    if not matches:
+        return CudaAccounting(), None
+    best = min(matches, key=lambda g: abs(gpu_spec(g).capacity - total))
+    return CudaAccounting.for_gpu(best), best
+
+
+def check_planner(r: Runner, rows: list, doc: dict) -> None:
+    plan_device = "cuda" if r.device.type == "cuda" else "cpu"
+    accounting, gpu = cuda_accounting(r.device) if plan_device == "cuda" else (None, None)
+    doc["planner"] = {"gpu_profile": gpu, "sizes": []}
+    sample = r.case.make_batch(2, torch.device("cpu"))
+    for b in r.case.plan_sizes:
+        est = estimate_peak_memory(r.model, sample, b, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4),
+                                   loss_fn=r.case.loss, steps=2, amp=r.amp, device=plan_device, accounting=accounting)
+        alloc, reserved = measure_peak(r, b)
+        entry = {"batch_size": b, "predicted_allocated": est.allocated_bytes, "measured_allocated": alloc,
+                 "predicted_reserved": est.reserved_bytes, "measured_reserved": reserved,
+                 "error_allocated_pct": 100 * (est.allocated_bytes - alloc) / alloc,
+                 "error_reserved_pct": 100 * (est.reserved_bytes - reserved) / reserved,
+                 "plan_seconds": est.seconds}
+        doc["planner"]["sizes"].append(entry)
+        rows.append((r.case.name, "plan allocated", f"b={b}", format_bytes(est.allocated_bytes), format_bytes(alloc),
+                     f"{entry['error_allocated_pct']:+.1f}%"))
+        if r.device.type == "cuda":
+            rows.append((r.case.name, "plan reserved", f"b={b}", format_bytes(est.reserved_bytes),
+                         format_bytes(reserved), f"{entry['error_reserved_pct']:+.1f}%"))
+
+
+def fits(r: Runner, b: int, capacity: int, snapshot: Any) -> bool:
+    """Do two real steps at ``b`` run under the capacity? State is put back afterwards."""
+    def two_steps() -> None:
+        for _ in range(2):
+            r.step(b)
+
+    with emulate_capacity(capacity, r.device, track=(r.model, r.optimizer)):
+        ok = attempt(two_steps, device=r.device, on_oom=snapshot.restore).ok
+    snapshot.restore()
+    free_memory(r.device)
+    return ok
+
+
+def true_max(r: Runner, capacity: int, start: int) -> tuple[int, int]:
+    """Largest batch that fits, by bisection from ``start``; returns ``(batch, probes)``.
+
+    Every probe runs two real steps under the cap. The start (the finder's answer) only
+    saves probes: the result is a batch that fits next to one that does not, whatever the
+    start, and a start at the boundary costs two probes.
+    """
+    snapshot = StateSnapshot([r.model, r.optimizer])
+    probes = 0
+
+    def probe(b: int) -> bool:
+        nonlocal probes
+        probes += 1
+        return fits(r, b, capacity, snapshot)
+
+    lo, hi = 0, None
+    b = max(1, start)
+    if probe(b):
+        lo = b
+        if not probe(b + 1):  # the start is the boundary already: b fits, b + 1 does not
+            hi = b + 1
+        while hi is None:
+            b = max(lo + 1, int(lo * 1.5))
+            if probe(b):
+                lo = b
+            else:
+                hi = b
+    else:
+        hi = b
+        while lo == 0 and hi > 1:
+            b = max(1, hi // 2)
+            if probe(b):
+                lo = b
+            else:
+                hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def check_finder(r: Runner, capacity: int, target: float, rows: list, doc: dict) -> int:
+    r.release()
+    plan = find_batch_size(r.step, device=r.device, target=target, capacity=capacity, strategy="predict",
+                           restore=(r.model, r.optimizer))
+    r.release()
+    t0 = time.perf_counter()
+    truth, probes = true_max(r, capacity, plan.batch_size)
+    truth_seconds = time.perf_counter() - t0
+    r.release()
+    doc["finder"] = {"capacity": capacity, "target": target, "batch_size": plan.batch_size,
+                     "num_trials": plan.num_trials, "num_ooms": plan.num_ooms, "seconds": plan.seconds,
+                     "trials": [t.batch_size for t in plan.trials], "true_max": truth, "truth_probes": probes,
+                     "truth_seconds": truth_seconds, "found_over_true": plan.batch_size / truth if truth else None}
+    rows.append((r.case.name, "finder vs truth", f"cap {format_bytes(capacity)}, target {target}",
+                 f"{plan.batch_size} ({plan.num_trials} trials, {plan.num_ooms} OOM, {plan.seconds:.1f} s)",
+                 f"{truth} ({probes} probes)", f"{plan.batch_size / truth:.2f}" if truth else "-"))
+    return plan.batch_size
+
+
+def samples_per_second(r: Runner, b: int, steps: int) -> float:
+    r.release()
+    r.step(b)  # warm-up: kernels, allocator, optimizer state
+    r.sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        r.step(b)
+    r.sync()
+    seconds = time.perf_counter() - t0
+    r.release()
+    return b * steps / seconds
+
+
+def check_throughput(r: Runner, found: int, steps: int, rows: list, doc: dict) -> None:
+    base = 32
+    # alternate the two sizes and keep each one's best: other load on the machine only slows a run down
+    fast = slow = 0.0
+    for _ in range(2):
+        fast = max(fast, samples_per_second(r, found, steps))
+        slow = max(slow, samples_per_second(r, base, steps))
+    doc["throughput"] = {"found": found, "base": base, "found_samples_per_s": fast, "base_samples_per_s": slow,
+                         "ratio": fast / slow}
+    rows.append((r.case.name, "samples/s", f"b={found} vs b={base}", f"{fast:,.0f}", f"{slow:,.0f}",
+                 f"{fast / slow:.2f}x"))
+
+
+def check_oom_recovery(r: Runner, capacity: int, truth_like: int, repeats: int, rows: list, doc: dict) -> None:
+    """Seconds one OOM costs the Engine: the first step of an engine whose first micro-batch (the
+    whole global batch) runs out of memory, minus the first step of a fresh engine that starts
+    at the micro-batch the first one settled on (same one-time set-up, no OOM)."""
+    global_batch = max(2, int(truth_like * 1.5))  # the whole batch does not fit, half of it does
+    snapshot = StateSnapshot([r.model, r.optimizer])
+
+    def first_step(start: int, batch: Any) -> tuple[float, Any]:
+        engine = Engine(r.model, r.optimizer, r.engine_loss, global_batch_size=global_batch,
+                        micro_batch_size="auto", start=start, device=r.device, amp=r.amp,
+                        config=EngineConfig(adapt=False))
+        r.sync()
+        t0 = time.perf_counter()
+        res = engine.step(batch)
+        r.sync()
+        seconds = time.perf_counter() - t0
+        snapshot.restore()
+        return seconds, res
+
+    records = []
+    for i in range(repeats + 1):  # the first round only warms up: kernels for both micro-batch shapes
+        r.release()
+        batch = r.case.make_batch(global_batch, r.device)
+        with emulate_capacity(capacity, r.device, track=(r.model, r.optimizer, batch)):
+            t_oom, res_oom = first_step(global_batch, batch)
+            t_clean, res_clean = first_step(res_oom.micro_batch_size, batch)
+        del batch
+        records.append({"oom_step_s": t_oom, "clean_step_s": t_clean, "ooms": res_oom.ooms,
+                        "micro_batch_size": res_oom.micro_batch_size, "accum_steps": res_oom.accum_steps,
+                        "clean_ooms": res_clean.ooms, "warm_up": i == 0})
+    r.release()
+    valid = [rec for rec in records if rec["ooms"] and not rec["clean_ooms"] and not rec["warm_up"]]
+    # fastest of each kind: load from other processes only ever adds time
+    oom_step = min((rec["oom_step_s"] for rec in valid), default=None)
+    clean_step = min((rec["clean_step_s"] for rec in valid), default=None)
+    cost = None if oom_step is None else (oom_step - clean_step) / valid[0]["ooms"]
+    doc["oom_recovery"] = {"global_batch": global_batch, "repeats": records, "cost_s": cost,
+                           "oom_step_s": oom_step, "clean_step_s": clean_step}
+    micro = records[0]["micro_batch_size"]
+    setting = f"global {global_batch}: micro {global_batch} -> {micro}"
+    if cost is None:
+        rows.append((r.case.name, "OOM recovery", setting, "no clean OOM to time", "-", "-"))
+        return
+    rows.append((r.case.name, "OOM recovery", setting, f"{cost:+.3f} s per OOM", f"clean step {clean_step:.3f} s",
+                 f"{cost / clean_step:.2f} steps"))
+
+
+# ---------------------------------------------------------------------------
+
+
+def guarded(rows: list, doc: dict, model: str, check: str, fn: Callable[[], Any]) -> Any:
+    """Run one check; on an error add a row saying so (traceback to stderr) and return ``None``."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001  reported in the table, never hidden
+        traceback.print_exc()
+        free_memory()
+        first = str(exc).splitlines()[0][:60] if str(exc) else ""
+        doc.setdefault("errors", {})[check] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        rows.append((model, check, "-", f"error: {type(exc).__name__}: {first}", "-", "-"))
+        return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here; use --device cpu --small")
+    if device.type == "cpu":
+        # One thread: with two on a shared 2-core machine, every parallel region waits for a
+        # thread another process has descheduled (seen here: 5 ms steps taking 760 ms).
+        torch.set_num_threads(1)
+    amp = None if args.amp == "none" else args.amp
+    capacity = parse_bytes(args.capacity)
+    table = cases(args.small)
+    rows: list[tuple] = []
+    doc: dict[str, Any] = {
+        "benchmark": "gpu_validate", "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/gpu_validate.py " + " ".join(sys.argv[1:]),
+        "machine": machine(), "device": str(device), "small": args.small, "amp": amp, "capacity": capacity,
+        "models": {},
+    }
+    t_start = time.perf_counter()
+    for name in args.models:
+        t0 = time.perf_counter()
+        r = Runner(table[name], device, amp)
+        mdoc: dict[str, Any] = {"params": r.params}
+        doc["models"][name] = mdoc
+        print(f"[{name}] {r.params / 1e6:.1f}M params", flush=True)
+        # A check that fails leaves an error row and the next check still runs: one run on a lent
+        # GPU must bring back everything that worked.
+        guarded(rows, mdoc, name, "plan", lambda: check_planner(r, rows, mdoc))
+        found = guarded(rows, mdoc, name, "finder vs truth", lambda: check_finder(r, capacity, args.target, rows, mdoc))
+        if found is not None:
+            guarded(rows, mdoc, name, "samples/s", lambda: check_throughput(r, found, args.steps, rows, mdoc))
+            guarded(rows, mdoc, name, "OOM recovery", lambda: check_oom_recovery(
+                r, capacity, mdoc["finder"]["true_max"], args.repeats, rows, mdoc))
+        mdoc["seconds"] = time.perf_counter() - t0
+        # each model's rows as soon as they exist: a run cut short still leaves them in the log
+        print(format_table(COLUMNS, [row for row in rows if row[0] == name]), flush=True)
+        print(f"[{name}] done in {mdoc['seconds']:.0f} s", flush=True)
+        del r
+        gc.collect()
+        free_memory(device)
+    doc["rows"] = [dict(zip(COLUMNS, row)) for row in rows]
+    doc["seconds"] = time.perf_counter() - t_start
+    return doc
+
+
+def format_result(doc: dict[str, Any]) -> str:
+    head = (f"gpu_validate on {doc['machine'].get('gpu', 'CPU')} ({doc['device']}), amp {doc['amp']}, "
+            f"capacity {format_bytes(doc['capacity'])}, torch {doc['machine']['torch']}, {doc['date']}")
+    body = format_table(COLUMNS, [tuple(r[c] for c in COLUMNS) for r in doc["rows"]])
+    return f"{head}\n{body}\ntotal {doc['seconds']:.0f} s"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    p.add_argument("--small", action="store_true", help="tiny models (implied on CPU unless --full)")
+    p.add_argument("--full", action="store_true", help="full-size models even on CPU (slow)")
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS), help=f"from {','.join(MODELS)}")
+    p.add_argument("--capacity", default=None, help="emulated capacity for the finder (default 16GiB; small: 4MiB)")
+    p.add_argument("--target", type=float, default=1.0, help="finder target; 1.0 = the largest batch that fits")
+    p.add_argument("--amp", choices=("bf16", "fp16", "none"), default=None, help="default bf16 on CUDA, none on CPU")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per throughput point (default 10; small 3)")
+    p.add_argument("--repeats", type=int, default=None, help="OOM-recovery repetitions (default 3; small 1)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    cpu = torch.device(args.device).type == "cpu"
+    args.small = args.small or (cpu and not args.full)
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    args.capacity = args.capacity or ("4MiB" if args.small else "16GiB")
+    args.amp = args.amp or ("none" if cpu else "bf16")
+    args.steps = args.steps or (3 if args.small else 10)
+    args.repeats = args.repeats or (1 if args.small else 3)
+    if not math.isfinite(args.target) or not 0 < args.target <= 1:
+        p.error("--target must be in (0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    doc = run(args)
+    print()
+    print(format_result(doc))
+    if args.json is not None:
+        write_json(doc, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

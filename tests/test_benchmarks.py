@@ -1,0 +1,176 @@
+"""The benchmark scripts run, on CPU, at small sizes, and print the tables they promise.
+
+``gpu_validate.py --device cpu --small`` and a one- or two-method ``peers.py --quick`` always
+run (20-40 s each on a quiet 2-core machine; more when it is shared). The full quick comparison
+of every peer takes a few minutes and runs only with ``BATCHPILOT_SLOW=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from _harness import CallLog, SampleDataset, Workload, is_allocator_oom  # noqa: E402
+
+SLOW = os.environ.get("BATCHPILOT_SLOW") == "1"
+slow = pytest.mark.skipif(not SLOW, reason="runs every peer in fresh processes (minutes); set BATCHPILOT_SLOW=1")
+needs_peers = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None or importlib.util.find_spec("accelerate") is None,
+    reason="the peers are the bench extra: pip install -e '.[bench]'",
+)
+
+
+def run_script(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+# ---------------------------------------------------------------------------
+# harness pieces
+
+
+def test_call_log_merges_calls_into_trials():
+    def step(b):
+        if not isinstance(b, int):
+            raise TypeError("not a batch size")
+        if b == 8:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    log = CallLog(lambda b: None)
+    log.calls = [(4, "ok"), (4, "ok"), (8, "oom"), (8, "ok"), (8, "ok"), (6, "emulated_oom")]
+    assert log.trials() == [(4, {"ok"}), (8, {"oom"}), (8, {"ok"}), (6, {"emulated_oom"})]
+    log = CallLog(step)
+    log(4)
+    with pytest.raises(RuntimeError):
+        log(8)
+    with pytest.raises(TypeError):
+        log("x")
+    assert log.calls == [(4, "ok"), (8, "oom"), ("x", "error")]
+
+
+def test_allocator_oom_is_told_from_the_emulated_one():
+    assert is_allocator_oom(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: 8 bytes"))
+    assert not is_allocator_oom(torch.OutOfMemoryError("emulated capacity exceeded"))
+
+
+def test_dataset_gathers_a_fresh_batch_like_a_dataloader():
+    w = Workload.build("mlp", quick=True)
+    assert isinstance(w.dataset, SampleDataset)
+    x, y = w.batch(70)
+    assert x.shape[0] == y.shape[0] == 70
+    assert torch.equal(x[64], w.dataset.xs[0])  # cycles over the pool
+    assert x.untyped_storage().data_ptr() != w.dataset.xs.untyped_storage().data_ptr()  # a copy, as collation makes
+    loader = torch.utils.data.DataLoader(w.dataset, batch_size=5, collate_fn=lambda b: b)
+    lx, ly = next(iter(loader))
+    assert torch.equal(lx, x[:5]) and torch.equal(ly, y[:5])
+
+
+def test_gpu_validate_reports_a_failing_check_as_a_row(capsys):
+    import gpu_validate
+
+    rows, doc = [], {}
+
+    def broken():
+        raise RuntimeError("no such kernel\nsecond line")
+
+    assert gpu_validate.guarded(rows, doc, "mlp", "samples/s", broken) is None
+    assert rows == [("mlp", "samples/s", "-", "error: RuntimeError: no such kernel", "-", "-")]
+    assert "no such kernel" in doc["errors"]["samples/s"]
+    assert gpu_validate.guarded(rows, doc, "mlp", "plan", lambda: 7) == 7
+    assert "Traceback" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# scripts
+
+
+@pytest.mark.timeout(900)
+def test_gpu_validate_runs_on_cpu_small(tmp_path):
+    out = tmp_path / "gv.json"
+    proc = run_script("gpu_validate.py", "--device", "cpu", "--small", "--json", str(out))
+    for col in ("model", "check", "setting", "batchpilot", "measured", "error / ratio"):
+        assert col in proc.stdout
+    doc = json.loads(out.read_text())
+    checks = {}
+    for row in doc["rows"]:
+        checks.setdefault(row["model"], []).append(row["check"])
+    assert set(checks) == {"mlp", "resnet50", "gpt2"}
+    for name, seen in checks.items():
+        assert seen == ["plan allocated"] * 3 + ["finder vs truth", "samples/s", "OOM recovery"], name
+        m = doc["models"][name]
+        assert "errors" not in m, m.get("errors")
+        # on CPU the planner is byte-exact against the storage tracker
+        for s in m["planner"]["sizes"]:
+            assert s["predicted_allocated"] == s["measured_allocated"], (name, s)
+        f = m["finder"]
+        assert 0 < f["batch_size"] <= f["true_max"], (name, f)  # target 1.0: never above the truth
+        assert f["found_over_true"] >= 0.9, (name, f)
+        assert m["throughput"]["found_samples_per_s"] > 0 and m["throughput"]["base_samples_per_s"] > 0
+        rec = m["oom_recovery"]
+        assert rec["repeats"][0]["ooms"] >= 1, (name, rec)  # the first micro-batch really ran out of memory
+        assert rec["cost_s"] is not None
+
+
+@pytest.mark.timeout(900)
+def test_peers_quick_batchpilot_and_accelerate(tmp_path):
+    """The harness end to end: truth by fresh-process bisection, real caps, the table; Accelerate
+    joins when the bench extra is installed (CI installs only dev and cli)."""
+    have_accelerate = importlib.util.find_spec("accelerate") is not None
+    methods = ["batchpilot-predict"] + (["accelerate"] if have_accelerate else [])
+    out = tmp_path / "peers.json"
+    proc = run_script("peers.py", "--quick", "--cap-mib", "8", "--no-cache", "--methods", ",".join(methods),
+                      "--json", str(out))
+    assert "found/true" in proc.stdout and "x predict" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["truth"]["mlp"]["batch_size"] > 0
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == methods
+    for r in rows.values():
+        assert r["outcome"] == "ok", r
+        assert r["found"] and r["trials"] >= 1 and r["seconds"] > 0
+    assert rows["batchpilot-predict"]["relative"] == pytest.approx(1.0)
+    if have_accelerate:  # it starts at 4x the true max and only shrinks: real OOMs on the way down
+        assert rows["accelerate"]["ooms"] >= 1
+
+
+@slow
+@needs_peers
+@pytest.mark.timeout(1800)
+def test_peers_quick_every_method(tmp_path):
+    out = tmp_path / "peers.json"
+    run_script("peers.py", "--quick", "--no-cache", "--json", str(out), timeout=1800)
+    doc = json.loads(out.read_text())
+    methods = [r["method"] for r in doc["rows"]]
+    assert methods == ["batchpilot-predict", "batchpilot-power", "batchpilot-binsearch", "lightning-power",
+                       "lightning-binsearch", "accelerate"]
+    for r in doc["rows"]:
+        assert r["found"] is not None and r["trials"], r
+
+
+def test_run_all_lists_the_scripts_in_order():
+    proc = run_script("run_all.py", "--list", "--quick", timeout=120)
+    names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]
+    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "gpu_validate")
+               if (BENCH / f"{n}.py").exists()]
+    assert names[: len(present)] == present
+    assert "run_all" not in names and not any(n.startswith("_") for n in names)
+
+
+def test_run_all_rejects_unknown_names():
+    proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--only", "nope"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "no benchmark 'nope'" in proc.stderr
