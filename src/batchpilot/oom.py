@@ -26,6 +26,8 @@ _OOM_MESSAGES = (
     "mps backend out of memory",
     # CPU: c10's DefaultCPUAllocator when malloc/posix_memalign fails (RLIMIT_AS, cgroup, overcommit off)
     "defaultcpuallocator: can't allocate memory",
+    # CPU: NNPACK's scratch allocation fails this way under the same limits
+    "posix_memalign failed:cannot allocate memory",
     # CUDA on torch builds that still raise RuntimeError rather than OutOfMemoryError
     "cuda out of memory",
     # cuDNN cannot get the workspace it asked for; the cure is the same as for an OOM
