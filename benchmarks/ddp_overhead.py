@@ -84,7 +84,7 @@ def _make_variants(width: int, depth: int, global_per_rank: int, micro: int) -> 
                 ddp, opt, list(zip(b[0].split(micro), b[1].split(micro))), c)
         else:
             coord = bd.DistributedCoordinator(defer_grad_sync=(name == "batchpilot"))
-            engine = Engine(ddp, opt, nn.CrossEntropyLoss(), global_batch_size=global_per_rank,
+            engine = Engine(ddp, opt, nn.CrossEntropyLoss(), global_batch_size=global_per_rank * bd.world_size(),
                             micro_batch_size=micro, coordinator=coord, config=EngineConfig(adapt=False))
             steps[name] = engine.step
     return steps

@@ -4,9 +4,11 @@
     torchrun --standalone --nproc-per-node=2 examples/ddp_train.py --capacity 1MiB,740KiB  # rank 1 smaller
     torchrun --standalone --nproc-per-node=1 examples/ddp_train.py --checkpoint ck.pt  # resume elastic
 
-gloo on CPU, NCCL on GPU. Every rank trains on its share of the global batch; the engine picks
-the micro-batch (the finder on every rank, then the minimum over ranks), and when any rank runs
-out of memory all ranks drop the step's gradients, shrink together and retry the same batch.
+gloo on CPU, NCCL on GPU. ``--global-batch`` is the batch over all ranks, the engine's
+``global_batch_size``; every rank trains on its share (``engine.per_rank_batch_size``). The
+engine picks the micro-batch (the finder on every rank, then the minimum over ranks), and when
+any rank runs out of memory all ranks drop the step's gradients, shrink together and retry the
+same batch.
 With ``--checkpoint`` the run resumes from the file if it exists (on any number of ranks: the
 global batch stays, accumulation is recomputed, and the epoch continues with the unseen samples)
 and writes it at the end.
@@ -25,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from batchpilot import distributed as bd
-from batchpilot.batching import BatchConfig
 from batchpilot.data import ElasticBatchSampler, ElasticLoader
 from batchpilot.engine import Engine
 from batchpilot.memory import emulate_capacity
@@ -59,33 +60,33 @@ def main() -> None:
 
     device = bd.init_distributed()  # gloo on CPU, NCCL (pinned to LOCAL_RANK) on GPU
     rank, world = bd.rank(), bd.world_size()
-    batches = BatchConfig(global_batch_size=args.global_batch, world_size=world)  # checks G % world
-    per_rank = batches.global_batch_size // world
 
     data = load_data()
     torch.manual_seed(0)
     model = MLP(in_features=64, width=128, depth=2).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sampler = ElasticBatchSampler(len(data), per_rank, shuffle=True, seed=0)
-    loader = ElasticLoader(data, sampler)
-
     state = None
     if args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["sampler"])
-        loader.set_batch_size(per_rank)  # the checkpoint's per-rank share was for its world size
 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if bd.is_distributed() else model
     coordinator = bd.DistributedCoordinator()
-    engine = Engine(ddp, optimizer, nn.CrossEntropyLoss(), global_batch_size=per_rank, device=device,
+    # the global batch over all ranks; a value that does not divide by the world size is refused
+    # with the nearest ones that do
+    engine = Engine(ddp, optimizer, nn.CrossEntropyLoss(), global_batch_size=args.global_batch, device=device,
                     coordinator=coordinator)
+    per_rank = engine.per_rank_batch_size
+    sampler = ElasticBatchSampler(len(data), per_rank, shuffle=True, seed=0)
+    loader = ElasticLoader(data, sampler)
     if state is not None:
+        # on another world size the sampler keeps per_rank and the engine re-derives accumulation
+        loader.load_state_dict(state["sampler"])
         engine.load_state_dict(state["engine"])
     start_epoch = state["epoch"] if state is not None else 0
     if rank == 0:
-        print(f"{world} rank(s) on {device}: {batches.global_batch_size} samples per step, {per_rank} per rank"
+        print(f"{world} rank(s) on {device}: {engine.global_batch_size} samples per step, {per_rank} per rank"
               + (f", resumed at epoch {start_epoch}, sample {sampler.consumed_samples}" if state else ""), flush=True)
 
     def device_memory() -> contextlib.AbstractContextManager:

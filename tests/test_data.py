@@ -350,6 +350,23 @@ def test_resume_on_another_number_of_replicas_serves_every_sample_once(
     assert 0 <= pads < max(before, after)
 
 
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4)])
+def test_resume_on_another_number_of_replicas_keeps_the_constructed_batch_size(before: int, after: int) -> None:
+    # a global batch of 8: the saved batch size (8 // before) is the old world's per-rank share
+    global_batch = 8
+    old = ElasticBatchSampler(32, global_batch // before, seed=3, num_replicas=before, rank=0)
+    _consume(old, 1)
+    state = old.state_dict()
+    resumed = ElasticBatchSampler(32, global_batch // after, seed=3, num_replicas=after, rank=0)
+    resumed.load_state_dict(state)
+    assert resumed.batch_size == global_batch // after  # not the saved global_batch // before
+    assert resumed.consumed_samples == global_batch
+    assert [len(b) for b in _consume(resumed, 2)] == [global_batch // after] * 2
+    same = ElasticBatchSampler(32, 1, seed=3, num_replicas=before, rank=0)
+    same.load_state_dict(state)
+    assert same.batch_size == global_batch // before  # same world: the saved size is restored
+
+
 # -- property: exactly once under prefetching, batch-size changes, restarts and resumes ---------
 
 _ops = st.lists(
@@ -442,8 +459,10 @@ def test_every_sample_once_per_epoch(n, batch_size, replicas, depth, drop_last, 
                 state = job.samplers[0].state_dict()
                 if 0 < state["consumed"] < n and op[1] != len(job.samplers):
                     event("resumed mid-epoch on another number of replicas")
+                same_world = op[1] == len(job.samplers)
                 job = _Job(n, 1, op[1], depth, drop_last, shuffle, state=state, epoch=epoch)
-                assert job.samplers[0].batch_size == state["batch_size"]
+                # the saved batch size is a per-rank share: restored only on as many replicas
+                assert job.samplers[0].batch_size == (state["batch_size"] if same_world else 1)
                 replicas_used.add(op[1])
             if done:
                 break

@@ -45,10 +45,11 @@ def _assert_params_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 def launched(tmp_path_factory) -> Path:
     """One 2-rank launch for every scenario, between the two single-rank elastic legs."""
     out = tmp_path_factory.mktemp("dist")
-    # 1 rank: 3 steps of the epoch, then a checkpoint the 2-rank run resumes from
-    dc.run_elastic(out, "save1", steps=3, save=out / "ckpt1.pt")
+    # 1 rank: 3 steps of the epoch, then a checkpoint the 2-rank run resumes from; its micro-batch
+    # (the whole per-rank batch of 16) is larger than the 2-rank run's per-rank batch of 8
+    dc.run_elastic(out, "save1", steps=3, save=out / "ckpt1.pt", micro=dc.ELASTIC_GLOBAL)
     torchrun(
-        WORKER, str(out), "collectives", "find", "oom", "elastic-resume", "elastic-save",
+        WORKER, str(out), "collectives", "find", "engine-find", "oom", "elastic-resume", "elastic-save",
         env={"ELASTIC_RESUME": str(out / "ckpt1.pt"), "ELASTIC_SAVE": str(out / "ckpt2.pt")},
         timeout=180,
     )
@@ -60,17 +61,58 @@ def launched(tmp_path_factory) -> Path:
 # -- without a process group ---------------------------------------------------------------------
 
 
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
 def test_rank_helpers_read_torchrun_environment(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for var in _LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
     assert (bd.is_distributed(), bd.rank(), bd.world_size(), bd.local_rank()) == (False, 0, 1, 0)
+    assert bd.known_rank() is None
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert (bd.rank(), bd.world_size(), bd.local_rank()) == (3, 4, 1)
+    assert (bd.rank(), bd.world_size(), bd.local_rank(), bd.known_rank()) == (3, 4, 1, 3)
     monkeypatch.setenv("RANK", "three")
     with pytest.raises(ValueError, match="RANK='three'"):
         bd.rank()
+
+
+def test_rank_helpers_fall_back_to_slurm_and_torchrun_wins(monkeypatch):
+    for var in _LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    assert (bd.rank(), bd.world_size(), bd.local_rank(), bd.known_rank()) == (5, 8, 2, 5)
+    # torchrun inside a SLURM allocation: its own variables describe the job
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert (bd.rank(), bd.world_size(), bd.local_rank()) == (1, 2, 0)
+    monkeypatch.setenv("WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE=0 must be >= 1"):
+        bd.world_size()
+    monkeypatch.setenv("RANK", "-1")
+    with pytest.raises(ValueError, match="RANK=-1 must be >= 0"):
+        bd.rank()
+
+
+def test_batching_and_data_use_the_distributed_rank_helpers(monkeypatch):
+    # one owner of the lookup: the batch arithmetic and the sampler agree with it by construction
+    from batchpilot import batching, data
+    from batchpilot.batching import BatchConfig
+    from batchpilot.data import ElasticBatchSampler
+
+    assert batching._default_world_size is bd.world_size
+    assert data._default_world_size is bd.world_size and data.known_rank is bd.known_rank
+    for var in _LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert BatchConfig(global_batch_size=8).world_size == 2
+    sampler = ElasticBatchSampler(10, 2)
+    assert (sampler.num_replicas, sampler.rank) == (2, 1)
 
 
 def test_agreements_are_local_without_a_process_group():
@@ -83,6 +125,7 @@ def test_agreements_are_local_without_a_process_group():
     assert coord.world_size == 1 and coord.defer_grad_sync
     assert coord.agree_oom(True) is True and coord.agree_oom(False) is False
     assert coord.agree_micro_batch(12) == 12 and coord.limited_by_rank == 0
+    assert coord.agree(True, 9) == (True, 9) and coord.agree(False, 9) == (False, 9)
     assert coord.total_count(torch.tensor(5.0)).item() == 5.0
     model = nn.Linear(2, 2)
     model(torch.ones(1, 2)).sum().backward()
@@ -150,6 +193,15 @@ def test_collectives_agree_on_min_max_sum_and_rank(launched):
         assert r["negative"] == [-4, 1]
 
 
+def test_one_agreement_carries_the_oom_vote_and_the_next_micro_batch(launched):
+    r0, r1 = (_load(launched, f"collectives_rank{r}.json") for r in (0, 1))
+    for r in (r0, r1):
+        assert r["agree_clean"] == [False, 6] and r["agree_limited_by"] == 1
+        assert r["agree_oom"][0] is True
+        assert r["agree_collectives"] == 2  # one collective per agreement
+    assert (r0["agree_remote_ooms"], r1["agree_remote_ooms"]) == (1, 0)
+
+
 def test_sync_gradients_averages_like_ddp(launched):
     for rank in (0, 1):
         r = _load(launched, f"collectives_rank{rank}.json")
@@ -204,6 +256,39 @@ def test_oom_on_rank_one_only_keeps_ranks_identical_and_exact(launched):
     _assert_params_close(p0, dc.reference_oom_params())
 
 
+def test_engine_finder_under_overlapped_ddp_agrees_on_the_smaller_rank(launched):
+    # defer_grad_sync=False: the finder's trials run the inner module, never DDP's syncing backward
+    r0, r1 = (_load(launched, f"engine_find_rank{r}.json")["overlap"] for r in (0, 1))
+    assert r0["steps"] == r1["steps"] and len(r0["steps"]) == dc.ENGINE_FIND_STEPS
+    micro = r0["steps"][0]["micro"]
+    per_rank = r0["per_rank"]
+    assert per_rank == dc.OOM_GLOBAL // 2
+    assert micro < per_rank  # rank 0 alone would take its whole share: rank 1's device set it
+    assert r0["limited_by_rank"] == r1["limited_by_rank"] == 1
+    assert all(s["samples"] == per_rank for s in r0["steps"])
+    # the wrapper ran the training micro-batches only, none of the finder's trials
+    assert r0["wrapper_calls"] == r1["wrapper_calls"] == sum(s["accum"] for s in r0["steps"])
+    accum = -(-per_rank // micro)
+    if per_rank % micro == 0:
+        assert r0["describe"] == f"global {dc.OOM_GLOBAL} = micro {micro} × world 2 × accum {accum}"
+    else:
+        last = per_rank - (accum - 1) * micro
+        assert r0["describe"] == (f"global {dc.OOM_GLOBAL} = world 2 × {per_rank} per rank, micro {micro} × "
+                                  f"accum {accum} (last micro-batch {last})")
+    p0 = torch.load(launched / "engine_find_params_rank0.pt")
+    p1 = torch.load(launched / "engine_find_params_rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    # the trials left no trace: the same training as one process on the whole global batch
+    _assert_params_close(p0, dc.reference_oom_params(dc.ENGINE_FIND_STEPS))
+
+
+def test_engine_finder_nothing_fits_on_one_rank_raises_on_every_rank(launched):
+    r0, r1 = (_load(launched, f"engine_find_rank{r}.json")["nothing_fits"] for r in (0, 1))
+    assert r0["error"] == r1["error"] == "NothingFitsError"
+    assert "nothing fits on rank 1" in r0["message"]
+    assert r0["restored"] and r1["restored"]
+
+
 @pytest.mark.parametrize("first, second", [("save1", "resume2"), ("save2", "resume1")])
 def test_elastic_resize_sees_every_sample_exactly_once(launched, first, second):
     def legs(tag: str) -> list[dict]:
@@ -214,11 +299,17 @@ def test_elastic_resize_sees_every_sample_exactly_once(launched, first, second):
     for tag in (first, second):
         for leg in legs(tag):
             for s in leg["shapes"]:
-                # the global batch is kept: each rank's share, accumulation recomputed per world
+                # the same global_batch_size on every world: each rank's share, accumulation recomputed
+                assert s["global"] == dc.ELASTIC_GLOBAL and s["per_rank"] * s["world"] == dc.ELASTIC_GLOBAL
                 assert s["samples"] * s["world"] == dc.ELASTIC_GLOBAL
+                assert s["micro"] <= s["per_rank"]
                 assert s["accum"] == dc.ELASTIC_GLOBAL // (s["world"] * s["micro"])
     worlds = [leg["shapes"][0]["world"] for tag in (first, second) for leg in legs(tag)[:1]]
     assert sorted(worlds) == [1, 2]
+    if second == "resume2":
+        # the 1-rank micro-batch of 16 was clamped to the 2-rank per-rank batch of 8
+        assert legs("save1")[0]["shapes"][0]["micro"] == 16
+        assert {s["micro"] for leg in legs("resume2") for s in leg["shapes"]} == {8}
     # same samples per global step in the same order: the same training as without the restart
     _assert_params_close(torch.load(launched / f"{second}_params.pt"), dc.reference_elastic_params())
 

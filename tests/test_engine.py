@@ -416,7 +416,9 @@ def test_state_dict_resumes_without_probing(monkeypatch):
         for _ in range(3):
             eng.step(next(data))
     state = eng.state_dict()
-    assert set(state) == {"version", "global_batch_size", "micro_batch_size", "steps", "policy", "fit", "scaler"}
+    assert set(state) == {"version", "global_batch_size", "world_size", "micro_batch_size", "steps", "policy", "fit",
+                          "scaler"}
+    assert (state["global_batch_size"], state["world_size"]) == (n, 1)
     assert state["micro_batch_size"] < n and state["steps"] == 3
     clean = state["policy"]["clean"]
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchpilot.engine import Coordinator, Engine, LocalCoordinator
+from batchpilot.engine import Coordinator, Engine, EngineConfig, LocalCoordinator
 
 from engine_utils import CE, InjectOOM, assert_params_close, batches, make, one_thread, params  # noqa: F401
 
@@ -79,6 +79,30 @@ def test_ddp_oom_in_the_syncing_micro_batch_retries_cleanly(gloo):
     assert len(hooks) == 4
     assert_params_close(params(model), ref_params)
     torch.testing.assert_close([r.loss for r in results], ref_losses, rtol=1e-6, atol=1e-7)
+
+
+def test_finder_trials_run_the_inner_module_and_are_undone(gloo):
+    ref_losses, ref_params = _reference()
+    ddp, model, opt, hooks, flags, loss_fn = _ddp_with_counters()
+    wrapper_calls = []
+    ddp.register_forward_pre_hook(lambda module, args: wrapper_calls.append(1))
+    seen = []
+
+    def recording_loss(m, b):
+        seen.append(m)
+        return loss_fn(m, b) if m is ddp else CE(m, b)
+
+    # no start: the first step runs the finder on the first batch
+    eng = Engine(ddp, opt, recording_loss, global_batch_size=N, micro_batch_size="auto",
+                 config=EngineConfig(capacity=2**30))
+    losses = [eng.step(b).loss for b in batches(model, N, 3)]
+    trials = [m for m in seen if m is not ddp]
+    assert trials and all(m is model for m in trials)  # the finder called the module inside DDP
+    # the wrapper ran exactly the training micro-batches: no trial synchronised or broadcast
+    assert len(wrapper_calls) == len(seen) - len(trials) == 3 * eng.accum_steps
+    assert len(hooks) == 3
+    assert_params_close(params(model), ref_params)  # the trials were undone
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7)
 
 
 class DeferringCoordinator(LocalCoordinator):

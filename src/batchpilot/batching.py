@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# rank and world-size lookup has one owner; distributed imports nothing from here (no cycle)
+from .distributed import world_size as _default_world_size
 
 __all__ = [
     "ADAPTIVE_NAME_MARKERS",
@@ -62,30 +64,6 @@ def _check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _default_world_size() -> int:
-    """World size from an initialised process group, else torchrun's or SLURM's environment."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        raw = os.environ.get(var)
-        if raw is None:
-            continue
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(
-                f"environment variable {var}={raw!r} is not an integer; "
-                "fix or unset it, or pass world_size= explicitly"
-            ) from None
-        if value <= 0:
-            raise ValueError(
-                f"environment variable {var}={value} must be positive; "
-                "fix or unset it, or pass world_size= explicitly"
-            )
-        return value
-    return 1
-
-
 def _multiples_around(n: int, step: int) -> list[int]:
     """The positive multiples of ``step`` nearest to ``n`` (not itself one) from below and above."""
     below = n // step * step
@@ -122,9 +100,9 @@ class BatchConfig:
         global_batch_size: Samples per optimizer step, summed over all ranks.
         micro_batch_size: Samples per forward/backward pass on one rank.
         accum_steps: Micro-batches accumulated per optimizer step on each rank.
-        world_size: Number of data-parallel ranks. Default: the initialised
-            ``torch.distributed`` group, else ``$WORLD_SIZE`` (torchrun), else
-            ``$SLURM_NTASKS``, else 1.
+        world_size: Number of data-parallel ranks. Default:
+            :func:`batchpilot.distributed.world_size` (the initialised ``torch.distributed``
+            group, else ``$WORLD_SIZE`` (torchrun), else ``$SLURM_NTASKS``, else 1).
 
     Raises:
         ValueError: A value is not a positive int, fewer than the needed values are given, or

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import os
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -29,7 +28,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .batching import _default_world_size
+from .distributed import known_rank
+from .distributed import world_size as _default_world_size
 
 __all__ = ["ElasticBatchSampler", "ElasticLoader"]
 
@@ -52,19 +52,14 @@ def _check_int(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
 
 
 def _default_rank(num_replicas: int) -> int:
-    """Rank from an initialised process group, else torchrun's or SLURM's environment."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    for var in ("RANK", "SLURM_PROCID"):
-        raw = os.environ.get(var)
-        if raw is not None:
-            try:
-                return int(raw)
-            except ValueError:
-                raise ValueError(
-                    f"environment variable {var}={raw!r} is not an integer; "
-                    "fix or unset it, or pass rank= explicitly"
-                ) from None
+    """This rank as :func:`batchpilot.distributed.known_rank` reports it; 0 only for one replica.
+
+    Raises:
+        ValueError: No rank is known but ``num_replicas > 1``, or a launcher variable is malformed.
+    """
+    found = known_rank()
+    if found is not None:
+        return found
     if num_replicas > 1:
         # Defaulting to 0 here would make every process rank 0 and train on the same shard.
         raise ValueError(
@@ -97,11 +92,14 @@ class ElasticBatchSampler(Sampler[list[int]]):
     Checkpoints (:meth:`state_dict`) record the epoch and the *global* number of consumed samples:
     ranks advance in lockstep, so ``num_replicas × samples consumed on this rank`` stream positions
     are done, and any rank's state describes the whole job. A run resumed with a different
-    ``num_replicas`` continues the epoch from that stream position, re-dealt over the new ranks.
+    ``num_replicas`` continues the epoch from that stream position, re-dealt over the new ranks,
+    at the batch size this sampler was constructed with (the saved one was the old world's
+    per-rank share; see :meth:`load_state_dict`).
 
     Args:
         dataset_size: Number of samples, ``len(dataset)``.
-        batch_size: Samples per batch on this rank (the micro batch).
+        batch_size: Samples per batch on this rank: with :class:`batchpilot.engine.Engine`,
+            its ``per_rank_batch_size`` (``global_batch_size // num_replicas``).
         shuffle: Draw a new permutation each epoch; else use ``range(dataset_size)``.
         seed: Base seed; the permutation of epoch ``e`` is drawn with seed ``seed + e``. Must be
             the same on every rank.
@@ -313,11 +311,17 @@ class ElasticBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`, possibly saved with a different ``num_replicas``.
 
-        Restores the epoch, the batch size and the consumed position. The next iteration yields
-        the rest of that epoch, stream positions ``consumed, consumed + 1, ...`` dealt over this
-        sampler's ``num_replicas`` ranks (padded or dropped at the end as configured), so across
-        the save and the resume every sample of the epoch is served once. ``drop_last`` comes from
-        this sampler, not the state. Call it before iterating (it stops a live iteration).
+        Restores the epoch and the consumed position. The next iteration yields the rest of that
+        epoch, stream positions ``consumed, consumed + 1, ...`` dealt over this sampler's
+        ``num_replicas`` ranks (padded or dropped at the end as configured), so across the save
+        and the resume every sample of the epoch is served once. ``drop_last`` comes from this
+        sampler, not the state. Call it before iterating (it stops a live iteration).
+
+        The batch size is restored only when the state was saved on as many replicas as this
+        sampler has. The saved one is the old world's *per-rank* share: after a resize it would
+        change the global batch (``8`` per rank on 2 ranks is ``16``; on 1 rank it would be
+        ``8``), so the sampler keeps the batch size it was constructed with, which the caller
+        derives from the global batch and the new world (``global // num_replicas``).
 
         Raises:
             ValueError: The state is missing keys, has an unknown version, or was saved for a
@@ -355,7 +359,14 @@ class ElasticBatchSampler(Sampler[list[int]]):
                 f"state['consumed']={consumed} exceeds dataset_size {self._dataset_size}; "
                 "the state is corrupt"
             )
-        self._batch_size = _check_int("state['batch_size']", state["batch_size"], minimum=1)
+        saved_batch = _check_int("state['batch_size']", state["batch_size"], minimum=1)
+        if saved_replicas == self._num_replicas:
+            self._batch_size = saved_batch
+        elif saved_batch != self._batch_size:
+            logger.info(
+                "keeping batch size %d: the saved %d was the per-rank share on %d replicas, not %d",
+                self._batch_size, saved_batch, saved_replicas, self._num_replicas,
+            )
         self._epoch = epoch
         self._move_cursor(seg_start=consumed)
         self._resume_pending = True

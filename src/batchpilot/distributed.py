@@ -39,6 +39,7 @@ from .oom import is_oom
 
 __all__ = [
     "is_distributed",
+    "known_rank",
     "rank",
     "world_size",
     "local_rank",
@@ -64,17 +65,42 @@ _PACK_BELOW = 2**20
 
 
 # ---------------------------------------------------------------------------
-# Rank helpers
+# Rank helpers: the one place that answers "which rank am I, out of how many?"
+#
+# Sources, first match wins: an initialised process group, then torchrun's environment
+# (RANK / WORLD_SIZE / LOCAL_RANK), then SLURM's (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID),
+# else a single process (0 / 1 / 0). torchrun inside a SLURM allocation sets its own variables,
+# which therefore win over the allocation's.
+
+_RANK_VARS = ("RANK", "SLURM_PROCID")
+_WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID")
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; fix or unset it") from None
+def _launcher_int(names: tuple[str, ...], *, minimum: int) -> int | None:
+    """The first of ``names`` set in the environment, as an int; ``None`` when none is set.
+
+    Raises:
+        ValueError: The variable is not an integer or is below ``minimum``.
+    """
+    for name in names:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"environment variable {name}={raw!r} is not an integer; fix or unset it, or pass "
+                "the value explicitly"
+            ) from None
+        if value < minimum:
+            raise ValueError(
+                f"environment variable {name}={value} must be >= {minimum}; fix or unset it, or pass "
+                "the value explicitly"
+            )
+        return value
+    return None
 
 
 def is_distributed() -> bool:
@@ -82,22 +108,52 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def known_rank() -> int | None:
+    """This process's global rank, or ``None`` when nothing reports one.
+
+    The process group's rank, else ``$RANK`` (torchrun), else ``$SLURM_PROCID``. Use it where
+    a silent 0 would be wrong (a sampler sharding over several ranks); :func:`rank` defaults to 0.
+
+    Raises:
+        ValueError: The environment variable is not an integer >= 0.
+    """
+    if is_distributed():
+        return dist.get_rank()
+    return _launcher_int(_RANK_VARS, minimum=0)
+
+
 def rank() -> int:
-    """This process's global rank: the process group's, else ``$RANK``, else 0."""
-    return dist.get_rank() if is_distributed() else _env_int("RANK", 0)
+    """This process's global rank: as :func:`known_rank`, else 0.
+
+    Raises:
+        ValueError: As :func:`known_rank`.
+    """
+    found = known_rank()
+    return 0 if found is None else found
 
 
 def world_size() -> int:
-    """Number of ranks: the process group's, else ``$WORLD_SIZE``, else 1."""
-    return dist.get_world_size() if is_distributed() else _env_int("WORLD_SIZE", 1)
+    """Number of ranks: the process group's, else ``$WORLD_SIZE``, else ``$SLURM_NTASKS``, else 1.
+
+    Raises:
+        ValueError: The environment variable is not an integer >= 1.
+    """
+    if is_distributed():
+        return dist.get_world_size()
+    found = _launcher_int(_WORLD_VARS, minimum=1)
+    return 1 if found is None else found
 
 
 def local_rank() -> int:
-    """This process's rank on its node: ``$LOCAL_RANK`` (set by torchrun), else 0.
+    """This process's rank on its node: ``$LOCAL_RANK`` (torchrun), else ``$SLURM_LOCALID``, else 0.
 
     torch.distributed keeps no local rank of its own, so the environment is the only source.
+
+    Raises:
+        ValueError: The environment variable is not an integer >= 0.
     """
-    return _env_int("LOCAL_RANK", 0)
+    found = _launcher_int(_LOCAL_RANK_VARS, minimum=0)
+    return 0 if found is None else found
 
 
 def default_device() -> torch.device:
@@ -199,23 +255,26 @@ def agree_min_with_rank(value: int, *, group: Any = None) -> tuple[int, int]:
     Raises:
         RuntimeError: As :func:`all_reduce_int`.
     """
-    lowest, who, _ = _agree_min_rank_max(value, group=group)
+    lowest, who, _, _ = _agree_min_rank_max(value, group=group)
     return lowest, who
 
 
-def _agree_min_rank_max(value: int, *, group: Any) -> tuple[int, int, int]:
-    """``(min, lowest rank holding it, max)`` of ``value`` over ranks, in one all-reduce of two ints.
+def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[int, int, int, bool]:
+    """``(min, lowest rank holding it, max, any flag)`` of ``value`` over ranks, in one all-reduce.
 
     ``value × world + rank`` orders first by value, then by rank, so its minimum carries both;
-    the minimum of ``-value`` is minus the maximum.
+    the minimum of ``-value`` is minus the maximum, and that of ``-flag`` minus the flags' MAX:
+    one all-reduce MIN of three ints.
     """
     if not is_distributed():
-        return int(value), rank(), int(value)
+        return int(value), rank(), int(value), bool(flag)
     world = dist.get_world_size(group)
-    encoded, negated = _all_reduce_ints([int(value) * world + dist.get_rank(group), -int(value)], "min", group=group)
+    encoded, negated, negated_flag = _all_reduce_ints(
+        [int(value) * world + dist.get_rank(group), -int(value), -int(bool(flag))], "min", group=group
+    )
     # Python's floor division makes the decoding exact for negative values too.
     lowest, who = divmod(encoded, world)
-    return lowest, who, -negated
+    return lowest, who, -negated, negated_flag < 0
 
 
 # ---------------------------------------------------------------------------
@@ -242,14 +301,16 @@ class DistributedCoordinator:
     :meth:`sync_gradients` average the gradients. A rank that failed therefore never leaves
     another waiting inside a gradient all-reduce: all ranks drop their gradients, agree on the
     smaller micro-batch (all-reduce MIN, :meth:`agree_micro_batch`) and retry the same batch.
+    A clean step agrees once: :meth:`agree` carries the OOM vote and the next micro-batch.
 
     The price is overlap: DDP all-reduces each gradient bucket while the rest of the last
     backward is still running; here the all-reduce starts after the whole backward. With
     ``defer_grad_sync=False`` the engine keeps DDP's overlapped all-reduce in the last
     micro-batch's backward, but an OOM on one rank while another is inside that backward
     cannot be agreed on: the collectives no longer pair up, and the job fails (at the latest at
-    the process group's timeout). Use it only where OOMs are ruled out, and give the engine a
-    ``start`` micro-batch: its finder's trials would run DDP's synchronising backward too.
+    the process group's timeout). Use it only where OOMs are ruled out. (The engine's finder is
+    safe either way: its trials run the module inside the wrapper, and
+    :func:`find_batch_size_distributed` agrees on the answer.)
 
     Outside a process group (or with one rank) every agreement is the local value.
 
@@ -316,7 +377,32 @@ class DistributedCoordinator:
             RuntimeError: As :meth:`agree_oom`.
         """
         self.collectives += 1
-        agreed, who, largest = _agree_min_rank_max(int(size), group=self.group)
+        agreed, who, largest, _ = _agree_min_rank_max(int(size), group=self.group)
+        return self._record(size, agreed, who, largest)
+
+    def agree(self, oom: bool, size: int) -> tuple[bool, int]:
+        """:meth:`agree_oom` and :meth:`agree_micro_batch` in one all-reduce (MIN of three ints).
+
+        The engine calls it once per attempt of an ``"auto"`` step, so a clean step costs one
+        agreement besides the gradient sync.
+
+        Returns:
+            ``(True, size)`` when any rank ran out of memory (the proposals are then unused),
+            else ``(False, the smallest proposal)``.
+
+        Raises:
+            RuntimeError: As :meth:`agree_oom`.
+        """
+        self.collectives += 1
+        agreed, who, largest, anyone = _agree_min_rank_max(int(size), group=self.group, flag=oom)
+        if anyone:
+            if not oom:
+                self.remote_ooms += 1
+                logger.info("another rank ran out of memory; dropping this rank's gradients too")
+            return True, int(size)
+        return False, self._record(size, agreed, who, largest)
+
+    def _record(self, size: int, agreed: int, who: int, largest: int) -> int:
         if agreed < largest or self.limited_by_rank is None:
             # when every rank proposes the same size, the rank that last limited it still does
             self.limited_by_rank = who

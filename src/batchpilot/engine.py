@@ -1,19 +1,23 @@
 """A training step that holds the global batch fixed and picks the micro-batch by itself.
 
-``Engine.step(batch)`` takes the whole per-rank global batch, splits it into micro-batches,
-accumulates their gradients and steps the optimizer exactly once. On an out-of-memory error
-in any micro-batch it drops the partial gradients, frees memory outside the ``except``
-block, shrinks the micro-batch and runs the *same* global batch again from its first
-micro-batch: no sample is skipped or counted twice, and the update equals the one without
-the OOM to float rounding. After a run of clean steps with memory to spare it grows the
+Batch sizes. ``global_batch_size`` is the true global batch, samples per optimizer step summed
+over all ranks (``global = micro × world × accum``, as :class:`batchpilot.batching.BatchConfig`
+defines it). Each rank trains on its share, ``per_rank_batch_size = global // world`` with the
+world size from the coordinator (1 without one). ``Engine.step(batch)`` takes this rank's
+share, splits it into micro-batches, accumulates their gradients and steps the optimizer
+exactly once. On an out-of-memory error in any micro-batch it drops the partial gradients,
+frees memory outside the ``except`` block, shrinks the micro-batch and runs the *same* batch
+again from its first micro-batch: no sample is skipped or counted twice, and the update equals
+the one without the OOM to float rounding. After a run of clean steps with memory to spare it grows the
 micro-batch back (see :class:`batchpilot.policy.MicroBatchPolicy`).
 
 Loss weighting. ``loss_fn(model, micro_batch)`` returns either the micro-batch's mean loss,
 which is weighted by ``micro_size / batch_size`` so that uneven micro-batches give the exact
 mean over the batch, or a ``(sum, count)`` pair (token-level losses): every micro-batch's
-backward runs on ``sum / global_batch_size`` and, once all counts are known, the gradients are
-multiplied by ``global_batch_size / total_count`` -- exactly ``d(total_sum / total_count)``
-with one extra pass over the gradients and magnitudes like a per-sample loss (fp16-safe).
+backward runs on ``sum / per_rank_batch_size`` and, once all counts are known, the gradients
+are multiplied by ``world × per_rank_batch_size / total_count`` (DDP averaged over the ranks)
+-- exactly ``d(total_sum / total_count)`` with one extra pass over the gradients and
+magnitudes like a per-sample loss (fp16-safe).
 
 Retries. The failed attempt's BatchNorm running statistics and the torch RNG state are put
 back before the retry, so the retried step is the one a run at the smaller micro-batch would
@@ -23,14 +27,24 @@ scheme: with BatchNorm the update depends on the micro-batch size (without it, i
 Data parallel. Under ``DistributedDataParallel`` every micro-batch but the last runs under
 ``no_sync``. With more than one rank, pass a coordinator (``batchpilot.distributed``) that
 agrees on every OOM and defers the gradient all-reduce until all ranks succeeded (see
-:class:`Coordinator`); the default :class:`LocalCoordinator` is for one process.
+:class:`Coordinator`); the default :class:`LocalCoordinator` is for one process. The finder's
+trials (``micro_batch_size="auto"`` without ``start``) run the module inside the DDP wrapper,
+never the wrapper: ranks run different trials, so no collective may happen in them; with
+several ranks they go through :func:`batchpilot.distributed.find_batch_size_distributed`,
+which agrees on the smallest answer (and fails on every rank when nothing fits on one).
 
 Memory figures. The peak of each step comes from the device's probe
 (:func:`batchpilot.memory.get_probe`). On accelerators it is exact and free to read. On CPU it
 is exact only inside a :class:`~batchpilot.memory.StorageTracker` (``emulate_capacity`` or
 ``track_peak`` around the training loop); outside one ``StepResult.peak_bytes`` is the
 process's peak resident set size, reported but never used for decisions, so on an untracked
-CPU the engine shrinks on OOM and does not grow back or react to pressure.
+CPU the engine shrinks on OOM and does not grow back or react to pressure. The next
+micro-batch is decided right after the forward and backward passes, before the gradient sync
+and the optimizer step, so that it rides on the same agreement as the OOM vote (one collective
+per clean step, :meth:`Coordinator.agree`). The peak it decides on is that of the passes and,
+for the sync and the optimizer step, which have not run yet and do not depend on the
+micro-batch, the peak they reached in the previous step. ``StepResult.peak_bytes`` is the
+peak of the whole step.
 
 Synchronisation. The step does not wait for the device: the loss is accumulated as a tensor
 and ``StepResult.loss`` converts it on first access (that is the CPU-GPU sync point). fp16
@@ -40,6 +54,7 @@ adds one sync per step, reading the ``GradScaler``'s scale to report skipped ste
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import numbers
 import time
@@ -49,7 +64,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .batching import split_sizes
+from .batching import BatchConfig, split_sizes
 from .find import find_batch_size
 from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
 from .microbatch import BatchSplitter, as_loss_fn
@@ -73,7 +88,10 @@ except ImportError:  # not on Windows
 logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-_STATE_VERSION = 1
+# 2: global_batch_size is the global batch over all ranks and world_size is stored; in 1 it
+# was the per-rank batch (which is all that loading uses of it).
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
 class BatchDoesNotFitError(RuntimeError):
@@ -86,13 +104,18 @@ class Coordinator(Protocol):
 
     Every rank makes the same calls in the same order, so collectives inside them pair up:
 
-    1. ``agree_micro_batch(size)`` when a ``"auto"`` engine picks its first micro-batch;
-    2. per attempt at the global batch, ``agree_oom(oom)`` once the local attempt has returned
-       or failed (never inside an ``except`` block); after an agreed OOM, an ``"auto"`` engine
-       calls ``agree_micro_batch(smaller)`` and retries, a fixed one raises on every rank;
+    1. ``agree_micro_batch(size)`` when an ``"auto"`` engine picks its first micro-batch;
+    2. per attempt at the batch, once the local attempt has returned or failed (never inside
+       an ``except`` block): a fixed engine calls ``agree_oom(oom)``; an ``"auto"`` engine calls
+       ``agree(oom, next_size)``, which also agrees on the micro-batch of the next step
+       (``next_size`` is this rank's proposal, meaningful only where the attempt succeeded).
+       After an agreed OOM, an ``"auto"`` engine calls ``agree_micro_batch(smaller)`` and
+       retries; a fixed one raises on every rank;
     3. after the successful attempt, ``sync_gradients(model)`` if ``defer_grad_sync``, then
-       ``total_count(count)`` for ``(sum, count)`` losses;
-    4. at the end of an ``"auto"`` step, ``agree_micro_batch(next_size)``.
+       ``total_count(count)`` for ``(sum, count)`` losses.
+
+    A clean step therefore makes one agreement besides the gradient sync: ``agree`` for an
+    ``"auto"`` engine, ``agree_oom`` for a fixed one.
 
     Attributes:
         world_size: data-parallel ranks; gradients arrive averaged over them.
@@ -112,6 +135,13 @@ class Coordinator(Protocol):
     def agree_micro_batch(self, size: int) -> int:
         """The micro-batch every rank uses next (e.g. the minimum of the proposals)."""
 
+    def agree(self, oom: bool, size: int) -> tuple[bool, int]:
+        """``agree_oom(oom)`` and, when no rank ran out, ``agree_micro_batch(size)`` at once.
+
+        Returns ``(True, size)`` (the size unused) when any rank ran out of memory, else
+        ``(False, agreed size)``. A distributed coordinator does both in one collective.
+        """
+
     def total_count(self, count: Any) -> Any:
         """Sum of the ``(sum, count)`` losses' counts over all ranks."""
 
@@ -120,7 +150,11 @@ class Coordinator(Protocol):
 
 
 class LocalCoordinator:
-    """One process: every agreement is the local answer."""
+    """One process: every agreement is the local answer.
+
+    Subclasses that override :meth:`agree_oom` / :meth:`agree_micro_batch` get an :meth:`agree`
+    made of the two.
+    """
 
     world_size = 1
     defer_grad_sync = False
@@ -130,6 +164,11 @@ class LocalCoordinator:
 
     def agree_micro_batch(self, size: int) -> int:
         return size
+
+    def agree(self, oom: bool, size: int) -> tuple[bool, int]:
+        if self.agree_oom(oom):
+            return True, size
+        return False, self.agree_micro_batch(size)
 
     def total_count(self, count: Any) -> Any:
         return count
@@ -189,15 +228,17 @@ class StepResult:
         loss_tensor: the loss over the whole batch (0-dim, detached, on the device); for
             ``(sum, count)`` losses this rank's sum over this rank's count.
         micro_batch_size: the micro-batch of the attempt that succeeded.
-        accum_steps: micro-batches in that attempt (the last may be smaller).
-        samples: samples in the batch (dim 0).
-        ooms: OOMs retried within this step.
-        peak_bytes: peak memory of the successful attempt (see ``measured``).
+        accum_steps: micro-batches in that attempt on this rank (the last may be smaller).
+        samples: samples in this rank's batch (dim 0); the global batch is ``world`` times that.
+        ooms: OOMs retried within this step (on any rank).
+        peak_bytes: peak memory of the step on this rank: the successful attempt, the gradient
+            sync and the optimizer step (see ``measured``).
         measured: ``peak_bytes`` is exact (accelerator, or CPU inside a storage tracker);
             otherwise it is the process's peak resident set size so far (``getrusage``).
         seconds: wall time of the step (host time; the device may still be running).
         skipped: fp16 only: the ``GradScaler`` skipped the optimizer step (inf/NaN gradients).
-        pressure: the peak was above the high-water mark (or the CUDA allocator retried).
+        pressure: the peak the next micro-batch was decided on (see the module docstring) was
+            above the high-water mark, or the CUDA allocator retried.
         next_micro_batch_size: the micro-batch the next step starts with.
         grad_norm: total gradient norm before clipping, when ``grad_clip`` is set.
     """
@@ -238,24 +279,37 @@ class Engine:
         loss_fn: ``loss_fn(model, micro_batch)`` returning the micro-batch's mean loss (0-dim
             tensor) or ``(sum, count)``; or a torch criterion (``nn.CrossEntropyLoss()``), which
             is applied as ``criterion(model(inputs), targets)`` to ``(inputs, targets)`` batches.
-        global_batch_size: samples per optimizer step on this rank.
+        global_batch_size: samples per optimizer step summed over all ranks (the true global
+            batch). Each rank's :meth:`step` takes ``global_batch_size // world`` of them,
+            ``world`` being ``coordinator.world_size``; in a world of one, all of them.
         micro_batch_size: ``"auto"`` (adapt; start from ``start``, else from the finder) or a
-            fixed int (no adaptation; an OOM raises after the partial gradients are dropped).
+            fixed int (no adaptation; an OOM raises after the partial gradients are dropped);
+            at most the per-rank batch.
         start: first micro-batch for ``"auto"``; ``None`` runs
-            :func:`~batchpilot.find.find_batch_size` on the first batch.
+            :func:`~batchpilot.find.find_batch_size` on the first batch (with several ranks
+            :func:`~batchpilot.distributed.find_batch_size_distributed`, on the module inside a
+            DDP wrapper).
         device: where micro-batches go and memory is measured; default: the model's.
         amp: ``None``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and ``GradScaler``).
         grad_clip: clip the total gradient norm to this (unscaled first under fp16).
         target: fraction of capacity a grown micro-batch's predicted peak may use.
         scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
             optimizer step (not on skipped fp16 steps). Checkpoint it yourself.
-        coordinator: agreement with other ranks; default :class:`LocalCoordinator`.
+        coordinator: agreement with other ranks, and the world size; default
+            :class:`LocalCoordinator` (one rank).
         config: adaptive knobs, see :class:`EngineConfig`.
 
+    Attributes:
+        global_batch_size: samples per optimizer step over all ranks (read-only).
+        world_size: data-parallel ranks, from the coordinator (read-only).
+        per_rank_batch_size: ``global_batch_size // world_size``, what :meth:`step` takes.
+        micro_batch_size: the micro-batch of the next step (``None`` before the first one).
+
     Raises:
-        ValueError: a batch size that is not a positive int, a fixed micro-batch larger than the
-            global batch, ``target`` outside (0, 1) or not below ``config.high_water``, an
-            unknown ``amp``, a ``start`` with a fixed micro-batch.
+        ValueError: a batch size that is not a positive int, a global batch that does not
+            divide by the world size (the message suggests the nearest that do), a fixed
+            micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
+            ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch.
         TypeError: ``loss_fn`` is not callable.
     """
 
@@ -276,23 +330,27 @@ class Engine:
         coordinator: Coordinator | None = None,
         config: EngineConfig | None = None,
     ) -> None:
-        self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
+        self._global = _positive_int("global_batch_size", global_batch_size)
+        self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
+        # read once: a distributed coordinator asks the process group, and the world is fixed for a run
+        self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
+        self._per_rank = _per_rank_batch(self._global, self._world)
         self.config = config if config is not None else EngineConfig()
         if micro_batch_size == "auto":
             self.fixed = False
             if start is not None:
                 _positive_int("start", start)
-                if start > self.global_batch_size:
+                if start > self._per_rank:
                     raise ValueError(
-                        f"start={start} is larger than global_batch_size={self.global_batch_size}; "
-                        "the micro-batch can be at most the global batch"
+                        f"start={start} is larger than {self._share()}; the micro-batch can be at "
+                        "most the batch one rank trains on"
                     )
         else:
             _positive_int("micro_batch_size", micro_batch_size, extra=' or "auto"')
-            if micro_batch_size > self.global_batch_size:
+            if micro_batch_size > self._per_rank:
                 raise ValueError(
-                    f"micro_batch_size={micro_batch_size} is larger than global_batch_size="
-                    f"{self.global_batch_size}; use at most {self.global_batch_size}, or raise the global batch"
+                    f"micro_batch_size={micro_batch_size} is larger than {self._share()}; use at "
+                    f"most {self._per_rank}, or raise the global batch"
                 )
             if start is not None:
                 raise ValueError('start only applies to micro_batch_size="auto"')
@@ -312,7 +370,6 @@ class Engine:
         self.target = float(target)
         self.grad_clip = grad_clip
         self.scheduler = scheduler
-        self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
         self.device = resolve_device(device if device is not None else _model_device(model))
         self.amp_dtype = _amp_dtype(amp)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
@@ -332,24 +389,28 @@ class Engine:
         self._last_scale: float | None = None
         self._futile_warned = False
         self._alloc_retries = _alloc_retries(self.device)
-        if self._ddp and self.coordinator.world_size == 1 and _dist_world_size() > 1:
+        # peak of the last gradient sync + optimizer step; it does not depend on the micro-batch
+        self._apply_peak = 0
+        if self._ddp and self._world == 1 and _dist_world_size() > 1:
             logger.warning(
-                "DDP over %d ranks with the LocalCoordinator: an OOM on one rank is not agreed on "
-                "and (sum, count) losses are normalised per rank; pass batchpilot.distributed's "
-                "coordinator", _dist_world_size(),
+                "DDP over %d ranks with the LocalCoordinator: an OOM on one rank is not agreed on, "
+                "(sum, count) losses are normalised per rank, and global_batch_size=%d counts one "
+                "rank's samples (the true global batch is %d); pass batchpilot.distributed's "
+                "coordinator", _dist_world_size(), self._global, self._global * _dist_world_size(),
             )
 
     # ------------------------------------------------------------------ public
     def step(self, batch: Any) -> StepResult:
-        """Train on one global batch: accumulate over micro-batches, step the optimizer once.
+        """Train on this rank's share of one global batch; step the optimizer once.
 
-        A batch smaller than ``global_batch_size`` (the last of an epoch) is allowed: its loss
-        is the mean over the samples it has, as in a plain loop with ``drop_last=False``.
+        ``batch`` holds up to :attr:`per_rank_batch_size` samples (``global_batch_size`` in a
+        world of one). A smaller batch (the last of an epoch) is allowed: its loss is the mean
+        over the samples it has, as in a plain loop with ``drop_last=False``.
 
         Raises:
             ValueError: the batch has no batch dimension, its tensors disagree on it, it is
-                larger than ``global_batch_size``, or ``loss_fn`` returned something other than
-                a 0-dim tensor or a ``(sum, count)`` pair.
+                larger than :attr:`per_rank_batch_size`, or ``loss_fn`` returned something
+                other than a 0-dim tensor or a ``(sum, count)`` pair.
             BatchDoesNotFitError: a micro-batch of 1 runs out of memory.
             torch.OutOfMemoryError: an OOM with a fixed ``micro_batch_size`` (on every rank when
                 any rank ran out), after the partial gradients were dropped. An OOM in the
@@ -359,29 +420,31 @@ class Engine:
         t0 = time.perf_counter()
         split = BatchSplitter(batch)
         n = split.size
-        if n > self.global_batch_size:
-            raise ValueError(
-                f"the batch has {n} samples but global_batch_size is {self.global_batch_size}; "
-                "give the engine one global batch per step (a DataLoader with "
-                "batch_size=global_batch_size), or raise global_batch_size"
-            )
+        if n > self._per_rank:
+            raise ValueError(self._too_large(n))
         if self.micro_batch_size is None:
             self._initialise(split)
         measured = self._measured()
         probe = self._probe
-        if not self.fixed:
+        fixed = self.fixed
+        if not fixed:
             self._snapshot()
         ooms = 0
         start_bytes = 0
+        pressure = False
         try:
             while True:
                 micro = min(self.micro_batch_size, n)
                 if measured:
                     probe.reset_peak()
                     start_bytes = probe.allocated()
-                # attempt() frees memory outside its except block; agree_oom runs on every rank
+                # attempt() frees memory outside its except block; the agreement runs on every rank
                 outcome = attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
-                if not self.coordinator.agree_oom(outcome.oom):
+                if fixed:
+                    oom = self.coordinator.agree_oom(outcome.oom)
+                else:
+                    oom, pressure = self._agree(outcome.oom, micro, start_bytes, measured, ooms)
+                if not oom:
                     acc = outcome.result
                     break
                 message = outcome.message or "another rank ran out of memory"
@@ -389,22 +452,26 @@ class Engine:
                 # another rank's OOM leaves this rank's complete gradients unusable too
                 self._drop_grads()
                 ooms += 1
-                if self.fixed:
+                if fixed:
                     raise torch.OutOfMemoryError(
                         f"out of memory at the fixed micro-batch {micro} on {self.device}: {message}; "
                         'micro_batch_size="auto" shrinks and retries instead'
                     )
                 self._restore()
                 self._shrink_after_oom(micro, measured, message)
+            if measured:
+                attempt_peak = probe.peak()
+                probe.reset_peak()
             grad_norm, skipped = self._apply(acc)
         except BaseException:
             self._drop_grads()
             raise
         self.steps += 1
-        peak = probe.peak() if measured else _host_peak_rss()
-        pressure = False
-        if not self.fixed:
-            pressure = self._adapt(acc.sizes[0], peak, start_bytes, measured, ooms)
+        if measured:
+            self._apply_peak = probe.peak()
+            peak = max(attempt_peak, self._apply_peak)
+        else:
+            peak = _host_peak_rss()
         return StepResult(
             loss_tensor=acc.loss,
             micro_batch_size=acc.sizes[0],
@@ -421,18 +488,68 @@ class Engine:
         )
 
     @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, summed over all ranks."""
+        return self._global
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (the coordinator's world size when the engine was built)."""
+        return self._world
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        """This rank's share of the global batch, ``global_batch_size // world_size``: what :meth:`step` takes."""
+        return self._per_rank
+
+    @property
     def accum_steps(self) -> int | None:
-        """Micro-batches per full global batch at the current micro-batch (``None`` before the first step)."""
-        return None if self.micro_batch_size is None else accum_steps(self.global_batch_size, self.micro_batch_size)
+        """Micro-batches per full per-rank batch at the current micro-batch (``None`` before the first step).
+
+        ``ceil(per_rank / micro)``: when the micro-batch does not divide the per-rank batch, the
+        last micro-batch is smaller.
+        """
+        return None if self.micro_batch_size is None else accum_steps(self._per_rank, self.micro_batch_size)
+
+    @property
+    def batch_config(self) -> BatchConfig | None:
+        """``global = micro × world × accum`` as a :class:`~batchpilot.batching.BatchConfig`.
+
+        ``None`` before the first step (no micro-batch yet) and whenever the micro-batch does not
+        divide the per-rank batch: the engine then runs a smaller last micro-batch, which
+        ``BatchConfig`` (exact division) cannot express. :meth:`describe` covers every case.
+        """
+        micro = self.micro_batch_size
+        if micro is None or self._per_rank % micro:
+            return None
+        return BatchConfig(global_batch_size=self._global, micro_batch_size=micro, world_size=self._world)
+
+    def describe(self) -> str:
+        """One line for logs, e.g. ``global 256 = micro 32 × world 2 × accum 4``.
+
+        With a smaller last micro-batch: ``global 250 = world 2 × 125 per rank, micro 32 × accum 4
+        (last micro-batch 29)``; before the first step the micro-batch reads ``not chosen yet``.
+        """
+        config = self.batch_config
+        if config is not None:
+            return config.describe()
+        head = f"global {self._global} = world {self._world} × {self._per_rank} per rank"
+        micro = self.micro_batch_size
+        if micro is None:
+            return f"{head}, micro-batch not chosen yet"
+        last = self._per_rank - (accum_steps(self._per_rank, micro) - 1) * micro
+        return f"{head}, micro {micro} × accum {self.accum_steps} (last micro-batch {last})"
 
     def state_dict(self) -> dict[str, Any]:
         """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
 
-        Model, optimizer and scheduler are the caller's to checkpoint.
+        ``global_batch_size`` is the global batch over all ranks and ``world_size`` the ranks it
+        was saved on. Model, optimizer and scheduler are the caller's to checkpoint.
         """
         return {
             "version": _STATE_VERSION,
-            "global_batch_size": self.global_batch_size,
+            "global_batch_size": self._global,
+            "world_size": self._world,
             "micro_batch_size": self.micro_batch_size,
             "steps": self.steps,
             "policy": None if self.policy is None else self.policy.state_dict(),
@@ -443,14 +560,31 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next step uses the saved micro-batch without probing.
 
-        A micro-batch saved under a larger global batch is clamped to this one. A fixed
-        ``micro_batch_size`` given to the constructor wins over the saved one.
+        The batch sizes are this engine's: its global batch and world size (from the
+        constructor) give the per-rank batch and so the accumulation. A state saved on another
+        number of ranks keeps its micro-batch, clamped to the new per-rank batch (the growth
+        counters start afresh then); a saved global batch other than this one is logged. A fixed
+        ``micro_batch_size`` given to the constructor wins over the saved one. States of
+        version 1 (whose ``global_batch_size`` was the per-rank batch) load too.
 
         Raises:
             ValueError: the state comes from an unknown version.
         """
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"engine state version {state.get('version')!r} is not {_STATE_VERSION}")
+        version = state.get("version")
+        if version not in _READABLE_VERSIONS:
+            raise ValueError(
+                f"engine state version {version!r} is not one of {', '.join(map(str, _READABLE_VERSIONS))}"
+            )
+        saved_world = state.get("world_size")
+        if version >= 2 and state.get("global_batch_size") != self._global:
+            logger.warning(
+                "the engine state was saved for a global batch of %s; this engine trains on %d "
+                "(check the learning rate: batchpilot.batching.rescale_lr)",
+                state.get("global_batch_size"), self._global,
+            )
+        if saved_world is not None and saved_world != self._world:
+            logger.info("engine state saved on %d rank(s), resumed on %d: %d samples per rank",
+                        saved_world, self._world, self._per_rank)
         self.steps = int(state["steps"])
         self.fit.load_state_dict(state["fit"])
         if self.scaler is not None and state.get("scaler"):
@@ -459,7 +593,7 @@ class Engine:
         saved = state.get("micro_batch_size")
         if self.fixed or saved is None:
             return
-        self._make_policy(min(int(saved), self.global_batch_size))
+        self._make_policy(min(int(saved), self._per_rank))
         if state.get("policy") is not None:
             self.policy.load_state_dict(state["policy"])
         self.micro_batch_size = self.policy.micro
@@ -469,25 +603,55 @@ class Engine:
         start = self._start
         if start is None:
             start = self._find_start(split)
-        self._make_policy(min(start, self.global_batch_size))
+        self._make_policy(min(start, self._per_rank))
         self.micro_batch_size = self.coordinator.agree_micro_batch(self.policy.micro)
         self.policy.adopt(self.micro_batch_size)
         self.micro_batch_size = self.policy.micro
-        logger.info("micro-batch %d for global batch %d", self.micro_batch_size, self.global_batch_size)
+        logger.info("%s", self.describe())
+
+    def _share(self) -> str:
+        """The per-rank batch in words, for error messages."""
+        if self._world == 1:
+            return f"global_batch_size={self._global}"
+        return f"this rank's share {self._per_rank} (global_batch_size={self._global} over {self._world} ranks)"
+
+    def _too_large(self, n: int) -> str:
+        if self._world == 1:
+            return (
+                f"the batch has {n} samples but global_batch_size is {self._global}; give the engine "
+                "one global batch per step (a DataLoader with batch_size=global_batch_size), or raise "
+                "global_batch_size"
+            )
+        return (
+            f"the batch has {n} samples, more than {self._share()}; give each rank its "
+            f"share per step (a sampler with batch_size=global_batch_size // {self._world}), or raise "
+            "global_batch_size"
+        )
 
     def _make_policy(self, micro: int) -> None:
         cfg = self.config
         self.policy = MicroBatchPolicy(
-            limit=self.global_batch_size, micro=micro, grow_after=cfg.grow_after,
+            limit=self._per_rank, micro=micro, grow_after=cfg.grow_after,
             backoff=cfg.backoff, max_wait=cfg.max_wait,
         )
 
     def _find_start(self, split: BatchSplitter) -> int:
-        """The finder's micro-batch, probed on the first batch's samples; all state put back."""
+        """The finder's micro-batch, probed on the first batch's samples; all state put back.
+
+        Raises:
+            batchpilot.find.NothingFitsError: not even the smallest batch fits (with several
+                ranks: on any rank; then it is raised on every rank, naming that rank).
+        """
+        # imported here, not at module level: distributed is the layer above the engine (its
+        # coordinator is the engine's hook), so the engine takes no import-time dependency on it
+        from .distributed import find_batch_size_distributed, unwrap_model
+
+        inner = unwrap_model(self.model)
 
         def trial(b: int) -> None:
-            # no DDP all-reduce: each rank probes alone, then agree_micro_batch takes the minimum
-            self._accumulate(BatchSplitter(split.slice(0, b)), b, use_scaler=False, sync=False)
+            # the module inside a DDP wrapper: no hook, no all-reduce, so ranks may run different
+            # trials (a trial through the wrapper would synchronise with whatever the others run)
+            self._accumulate(BatchSplitter(split.slice(0, b)), b, use_scaler=False, model=inner)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -495,10 +659,20 @@ class Engine:
         options.setdefault("target", self.target)
         if self.config.capacity is not None:
             options.setdefault("capacity", self.config.capacity)
-        plan = find_batch_size(
-            trial, device=self.device, max_batch_size=min(split.size, self.global_batch_size),
-            restore=(self.model, self.optimizer), **options,
-        )
+        options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
+        if self._world > 1:
+            # every rank searches alone, then one all-reduce MIN; a nothing-fits on one rank is
+            # raised on all of them. The wrapper goes in `restore`: it is unwrapped for the
+            # snapshot, and a loss_fn that calls it instead of its argument fails clearly.
+            plan = find_batch_size_distributed(
+                trial, restore=(self.model, self.optimizer), group=getattr(self.coordinator, "group", None),
+                **options,
+            )
+            if hasattr(self.coordinator, "limited_by_rank"):
+                # the agreement below sees equal proposals now; the finder knows who limited them
+                self.coordinator.limited_by_rank = plan.limited_by_rank
+        else:
+            plan = find_batch_size(trial, restore=(inner, self.optimizer), **options)
         fit = plan.fit
         if fit is not None and fit.bytes_per_sample > 0:
             # the finder's line is absolute; the engine models the increase over what is in use
@@ -508,8 +682,15 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def _accumulate(
-        self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, sync: bool = True
+        self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, model: nn.Module | None = None
     ) -> _Accumulated:
+        """Forward and backward over ``split`` in micro-batches of ``micro``; no optimizer step.
+
+        ``model`` defaults to the engine's; the finder passes the module inside a DDP wrapper.
+        """
+        if model is None:
+            model = self.model
+        ddp = self._ddp and model is self.model
         n = split.size
         sizes = split_sizes(n, micro)
         last = len(sizes) - 1
@@ -522,10 +703,10 @@ class Engine:
             mb = split.slice(start, size, self.device)
             start += size
             # DDP all-reduces in the backward of the last micro-batch only, unless deferred.
-            quiet = self._ddp and (i < last or self.coordinator.defer_grad_sync or not sync)
-            with self.model.no_sync() if quiet else contextlib.nullcontext():
+            quiet = ddp and (i < last or self.coordinator.defer_grad_sync)
+            with model.no_sync() if quiet else contextlib.nullcontext():
                 with self._autocast():
-                    out = self.loss_fn(self.model, mb)
+                    out = self.loss_fn(model, mb)
                 loss, c, kind = _parse_loss(out)
                 if mode is None:
                     mode = kind
@@ -538,7 +719,7 @@ class Engine:
                 else:
                     # a rank-independent constant keeps magnitudes per-sample; the exact total
                     # count divides the gradients once all micro-batches are done (_apply)
-                    scaled = loss / self.global_batch_size
+                    scaled = loss / self._per_rank
                     term = loss.detach()
                     count = count + c
                 if scaler is not None:
@@ -562,7 +743,7 @@ class Engine:
                 raise ValueError(f"the (sum, count) loss counted {total} elements in the whole batch; nothing to average")
             grads = [p.grad for p in self._params if p.grad is not None]
             # DDP averaged over ranks; world × N / total undoes that and divides by the global count.
-            factor = coord.world_size * self.global_batch_size / total
+            factor = self._world * self._per_rank / total
             if grads:
                 if isinstance(factor, torch.Tensor):
                     factor = factor.to(grads[0].device)
@@ -630,15 +811,16 @@ class Engine:
     def _capacity(self) -> int:
         return self.config.capacity if self.config.capacity is not None else self._probe.capacity()
 
-    def _max_fitting(self, measured: bool) -> int | None:
-        """Largest micro-batch the memory model fits under ``target`` from the bytes in use now."""
+    def _max_fitting(self, measured: bool, start: int) -> int | None:
+        """Largest micro-batch the memory model fits under ``target`` for a step that begins with ``start`` bytes."""
         if not measured or not self.config.adapt:
             return None
-        return self.fit.max_fitting(self.target * self._capacity(), self._probe.allocated())
+        return self.fit.max_fitting(self.target * self._capacity(), start)
 
     def _shrink_after_oom(self, micro: int, measured: bool, message: str) -> None:
         policy = self.policy
-        new = policy.on_oom(self._max_fitting(measured))
+        # after the OOM the gradients are dropped: what is in use now is what the retry starts with
+        new = policy.on_oom(self._max_fitting(measured, self._probe.allocated()))
         if new is None:
             capacity = self._capacity()
             raise BatchDoesNotFitError(
@@ -649,12 +831,36 @@ class Engine:
         policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
         self.micro_batch_size = policy.micro
         logger.warning(
-            "out of memory at micro-batch %d; retrying the global batch of %d at micro-batch %d",
-            micro, self.global_batch_size, self.micro_batch_size,
+            "out of memory at micro-batch %d; retrying the same %d samples at micro-batch %d",
+            micro, self._per_rank, self.micro_batch_size,
         )
 
+    def _agree(self, oom: bool, micro: int, start_bytes: int, measured: bool, ooms: int) -> tuple[bool, bool]:
+        """Agree on the attempt's OOM and on the next micro-batch in one call; ``(any OOM, pressure)``.
+
+        A rank whose attempt succeeded decides its next micro-batch first (on the peak the module
+        docstring describes) and proposes it. When another rank ran out of memory that decision is undone, so
+        the retry shrinks from the same policy state on every rank.
+        """
+        policy = self.policy
+        if oom:
+            # this rank's proposal is unused when any rank ran out; send the current size
+            return self.coordinator.agree(True, policy.micro)[0], False
+        # the policy holds only numbers: a shallow copy is a full snapshot, and costs a microsecond
+        saved = copy.copy(policy)
+        # the optimizer step has not run yet: its peak is the last step's
+        peak = max(self._probe.peak(), self._apply_peak) if measured else 0
+        pressure = self._adapt(micro, peak, start_bytes, measured, ooms)
+        anyone, agreed = self.coordinator.agree(False, policy.micro)
+        if anyone:
+            self.policy = saved
+            return True, False
+        policy.adopt(agreed)
+        self.micro_batch_size = policy.micro
+        return False, pressure
+
     def _adapt(self, micro: int, peak: int, start_bytes: int, measured: bool, ooms: int) -> bool:
-        """Feed the step's outcome to the policy; agree on the next micro-batch. True on pressure."""
+        """Feed the attempt's outcome to the policy (its next micro-batch, not agreed yet). True on pressure."""
         policy = self.policy
         pressure = False
         if measured and self.config.adapt:
@@ -664,30 +870,32 @@ class Engine:
             thrashing = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
             self._alloc_retries = retries
             pressure = peak > self.config.high_water * capacity or thrashing
-            max_fitting = self._max_fitting(measured)
+            # the next step begins where this attempt began (the gradients still held now are
+            # freed by the optimizer step's zero_grad), so this attempt's start is the base
+            max_fitting = self._max_fitting(measured, start_bytes)
             if pressure:
-                self._relieve(micro, peak, capacity, thrashing, max_fitting)
+                self._relieve(micro, peak, capacity, thrashing, max_fitting, start_bytes)
             else:
                 self._futile_warned = False
                 if ooms == 0:
                     before = policy.micro
                     policy.on_clean(max_fitting)
                     if policy.micro > before:
-                        predicted = self.fit.predict(policy.micro, self._probe.allocated()) or 0
+                        predicted = self.fit.predict(policy.micro, start_bytes) or 0
                         logger.info("growing the micro-batch %d -> %d (predicted peak %s of %s)",
                                     before, policy.micro, format_bytes(predicted), format_bytes(capacity))
         elif ooms == 0:
             policy.on_clean(None)
-        policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
-        self.micro_batch_size = policy.micro
         return pressure
 
-    def _relieve(self, micro: int, peak: int, capacity: int, thrashing: bool, max_fitting: int | None) -> None:
+    def _relieve(
+        self, micro: int, peak: int, capacity: int, thrashing: bool, max_fitting: int | None, start: int
+    ) -> None:
         """Shrink after a step above the high-water mark, unless shrinking cannot help."""
         policy = self.policy
         # when the memory model says half the micro-batch peaks as high, shrinking only slows
         # training down: weights and optimizer state, not activations, fill the memory
-        smaller = self.fit.predict(max(1, micro // 2), self._probe.allocated())
+        smaller = self.fit.predict(max(1, micro // 2), start)
         if smaller is not None and smaller > self.config.high_water * capacity and not policy.on_probation:
             if not self._futile_warned:  # once per episode, not every step
                 self._futile_warned = True
@@ -704,6 +912,24 @@ class Engine:
             micro, format_bytes(peak), format_bytes(capacity),
             ", allocator retries rising" if thrashing else "", policy.micro,
         )
+
+
+def _per_rank_batch(global_batch_size: int, world_size: int) -> int:
+    """``global // world``, or BatchConfig's error (with the nearest valid global batches).
+
+    Raises:
+        ValueError: ``global_batch_size`` is not a multiple of ``world_size``.
+    """
+    try:
+        # BatchConfig owns the arithmetic and its error messages; only the division is checked
+        # here, since the engine's micro-batch need not divide the per-rank batch
+        BatchConfig(global_batch_size=global_batch_size, world_size=world_size)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}. global_batch_size is the batch over all {world_size} ranks; each rank trains on "
+            "an equal share of it"
+        ) from None
+    return global_batch_size // world_size
 
 
 def _positive_int(name: str, value: Any, extra: str = "") -> int:

@@ -82,11 +82,11 @@ def step_peak(micro: int) -> int:
     return m.peak_bytes
 
 
-def reference_oom_params() -> list[torch.Tensor]:
+def reference_oom_params(steps: int = OOM_STEPS) -> list[torch.Tensor]:
     """One process, one micro-batch of the whole global batch, no OOM."""
     model, opt = oom_model()
     engine = Engine(model, opt, ce_loss, global_batch_size=OOM_GLOBAL, micro_batch_size=OOM_GLOBAL)
-    for step in range(OOM_STEPS):
+    for step in range(steps):
         engine.step(oom_batch(step))
     return [p.detach().clone() for p in model.parameters()]
 
@@ -101,9 +101,10 @@ def run_oom(out: Path, *, capacities: dict[int, int], inject: dict[int, set[tupl
     # capacity: the engine plans against more than the emulated device holds, so it keeps trying
     # to grow into a micro-batch that OOMs on rank 1 (and backs off each time)
     engine = Engine(
-        ddp, opt, loss_fn, global_batch_size=OOM_GLOBAL // world, start=OOM_GLOBAL // world,
+        ddp, opt, loss_fn, global_batch_size=OOM_GLOBAL, start=OOM_GLOBAL // world,
         coordinator=coordinator, config=EngineConfig(grow_after=2, capacity=2**30),
     )
+    assert engine.per_rank_batch_size == OOM_GLOBAL // world
     steps = []
     with emulate_capacity(capacities[rank], track=(model, opt)):
         for step in range(OOM_STEPS):
@@ -115,6 +116,58 @@ def run_oom(out: Path, *, capacities: dict[int, int], inject: dict[int, set[tupl
         "steps": steps, "remote_ooms": coordinator.remote_ooms, "limited_by_rank": coordinator.limited_by_rank,
         "injected": loss_fn.injected, "capacity": capacities[rank],
     })
+
+
+# -- The engine's finder under DDP -------------------------------------------------------------
+
+ENGINE_FIND_STEPS = 3
+
+
+def run_engine_find(out: Path) -> None:
+    """The engine's own finder (no ``start``) on 2 ranks whose devices differ.
+
+    ``overlap``: ``defer_grad_sync=False``, so every micro-batch of a step goes through DDP's
+    synchronising backward; the finder's trials must not (ranks run different trials). Rank 1's
+    smaller device sets the micro-batch of both. ``nothing_fits``: nothing fits on rank 1; every
+    rank must raise NothingFitsError, and no state may change.
+    """
+    rank, world = bd.rank(), bd.world_size()
+    per_rank = OOM_GLOBAL // world
+    # rank 0 fits all of its share, rank 1 about a quarter (the finder aims at 0.8 of capacity)
+    capacities = {0: 8 * step_peak(per_rank), 1: int(step_peak(per_rank // 4) / 0.8)}
+    result: dict[str, Any] = {}
+
+    model, opt = oom_model()
+    # with a buffer, every forward through the DDP wrapper broadcasts it (broadcast_buffers): a
+    # trial through the wrapper would be a collective, and the ranks run different trials
+    model.register_buffer("marker", torch.zeros(4))
+    coordinator = bd.DistributedCoordinator(defer_grad_sync=False)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper_calls = [0]
+    ddp.register_forward_pre_hook(lambda module, args: wrapper_calls.__setitem__(0, wrapper_calls[0] + 1))
+    engine = Engine(ddp, opt, ce_loss, global_batch_size=OOM_GLOBAL,
+                    coordinator=coordinator, config=EngineConfig(capacity=capacities[rank]))
+    steps = []
+    for step in range(ENGINE_FIND_STEPS):
+        r = engine.step(shard(oom_batch(step), rank, world))
+        steps.append({"micro": r.micro_batch_size, "accum": r.accum_steps, "samples": r.samples})
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"engine_find_params_rank{rank}.pt")
+    result["overlap"] = {"steps": steps, "limited_by_rank": coordinator.limited_by_rank, "per_rank": per_rank,
+                         "describe": engine.describe(), "wrapper_calls": wrapper_calls[0]}
+
+    model, opt = oom_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    tiny = {0: capacities[0], 1: step_peak(1) // 2}[rank]
+    engine = Engine(nn.parallel.DistributedDataParallel(model), opt, ce_loss, global_batch_size=OOM_GLOBAL,
+                    coordinator=bd.DistributedCoordinator(), config=EngineConfig(capacity=tiny))
+    try:
+        engine.step(shard(oom_batch(0), rank, world))
+        outcome = {"error": None}
+    except Exception as exc:  # recorded; the test compares the ranks' errors
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["restored"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    result["nothing_fits"] = outcome
+    _dump(out / f"engine_find_rank{rank}.json", result)
 
 
 # -- Elastic resume ----------------------------------------------------------------------------
@@ -155,20 +208,19 @@ def run_elastic(out: Path, tag: str, *, steps: int | None, resume: Path | None =
     model, opt = elastic_model()
     data = IndexedData()
     state = torch.load(resume, weights_only=False) if resume is not None else None
-    per_rank = ELASTIC_GLOBAL // world  # the engine's global batch is this rank's share
-    sampler = ElasticBatchSampler(len(data), per_rank, shuffle=True, seed=5)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    ddp = nn.parallel.DistributedDataParallel(model) if bd.is_distributed() else model
+    # the same global batch on any world size: the engine derives this rank's share
+    engine = Engine(ddp, opt, ce_loss, global_batch_size=ELASTIC_GLOBAL, start=min(micro, ELASTIC_GLOBAL // world),
+                    coordinator=bd.DistributedCoordinator())
+    sampler = ElasticBatchSampler(len(data), engine.per_rank_batch_size, shuffle=True, seed=5)
     loader = ElasticLoader(data, sampler)
     if state is not None:
-        bd_model = bd.unwrap_model(model)
-        bd_model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        # the sampler keeps its per-rank batch when the world changed; the engine clamps its
+        # saved micro-batch to the new per-rank batch
         loader.load_state_dict(state["sampler"])
-        # the saved batch size is the old world's per-rank share: re-deal the same global batch
-        loader.set_batch_size(per_rank)
-    ddp = nn.parallel.DistributedDataParallel(model) if bd.is_distributed() else model
-    engine = Engine(ddp, opt, ce_loss, global_batch_size=per_rank, start=min(micro, per_rank),
-                    coordinator=bd.DistributedCoordinator())
-    if state is not None:
         engine.load_state_dict(state["engine"])
     seen: list[list[int]] = []
     shapes: list[dict[str, int]] = []
@@ -177,7 +229,8 @@ def run_elastic(out: Path, tag: str, *, steps: int | None, resume: Path | None =
         x, y, ids = batch
         r = engine.step((x, y))
         seen.append(ids.tolist())
-        shapes.append({"micro": r.micro_batch_size, "accum": r.accum_steps, "samples": r.samples, "world": world})
+        shapes.append({"micro": r.micro_batch_size, "accum": r.accum_steps, "samples": r.samples, "world": world,
+                       "global": engine.global_batch_size, "per_rank": engine.per_rank_batch_size})
         if steps is not None and len(seen) == steps:
             break
     if save is not None and rank == 0:

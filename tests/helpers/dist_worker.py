@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 dist_worker.py OUT SCENARIO...
 
-Scenarios: ``collectives``, ``find``, ``oom``, ``elastic-save`` / ``elastic-resume`` (paths in
+Scenarios: ``collectives``, ``find``, ``engine-find``, ``oom``, ``elastic-save`` / ``elastic-resume`` (paths in
 the environment, see below), ``crash`` (rank 1 raises), ``hang`` (rank 1 never joins the
 collective; the process-group timeout must end the job). Each writes JSON / .pt under OUT.
 """
@@ -36,6 +36,12 @@ def collectives(out: Path) -> None:
         "tie": bd.agree_min_with_rank(7),  # equal everywhere: the lowest rank wins
         "negative": bd.agree_min_with_rank(-4 if rank == 1 else 3),
     }
+    # the engine's per-attempt agreement: an OOM vote and the next micro-batch in one all-reduce
+    coord = bd.DistributedCoordinator()
+    result["agree_clean"] = coord.agree(False, 9 - 3 * rank)  # rank 1 proposes the smaller size
+    result["agree_limited_by"] = coord.limited_by_rank
+    result["agree_oom"] = coord.agree(rank == 1, 9)  # rank 1 ran out of memory
+    result["agree_remote_ooms"], result["agree_collectives"] = coord.remote_ooms, coord.collectives
     result["grads"], result["buffer"] = _sync_gradients_case(rank)
     dc._dump(out / f"collectives_rank{rank}.json", result)
 
@@ -118,6 +124,10 @@ def oom(out: Path) -> None:
     dc.run_oom(out, capacities=capacities, inject={1: {(5, 1)}})
 
 
+def engine_find(out: Path) -> None:
+    dc.run_engine_find(out)
+
+
 def elastic_save(out: Path) -> None:
     dc.run_elastic(out, "save2", steps=2, save=Path(os.environ["ELASTIC_SAVE"]))
 
@@ -139,7 +149,7 @@ def hang(out: Path) -> None:
 
 
 SCENARIOS = {
-    "collectives": collectives, "find": find, "oom": oom, "elastic-save": elastic_save,
+    "collectives": collectives, "find": find, "engine-find": engine_find, "oom": oom, "elastic-save": elastic_save,
     "elastic-resume": elastic_resume, "crash": crash, "hang": hang,
 }
 
