@@ -153,6 +153,25 @@ def test_predict_sequence_kink():
     assert res.trials[3].outcome == OVER_TARGET  # over the target but no OOM
 
 
+def mlp_like(b: int) -> int:
+    # the reference MLP on CPU: the optimizer step, a transition, then the activations
+    return max(1_887_484 + 264 * b, 1_100_000 + 4_100 * b, 1_032_448 + 4_360 * b)
+
+
+@pytest.mark.parametrize("capacity,target,expected", [
+    (16 << 20, 0.8, [1, 14, 3324, 2813, 2841]),
+    (8 << 20, 0.9, [1, 7, 1124, 1570, 1494]),
+])
+def test_predict_sequence_flat_start(capacity, target, expected):
+    # 1 and the proportional guess barely differ: the line's answer is far past the ceiling, so the
+    # geometric mean of the two skips the transition (ceiling steps gave 1, 14, 253, 3574, 2841, 2842)
+    res, seq, space = run(PredictPolicy(), mlp_like, capacity=capacity, target=target, start=1_022_160)
+    assert seq == expected
+    assert res.batch_size == true_max(mlp_like, space.limit_bytes) == expected[-1]
+    assert res.stop_reason == "boundary" and all(t.outcome != OOM for t in res.trials)
+    assert PredictPolicy().certified(res.batch_size, res.trials, space)
+
+
 def test_predict_sequence_step_change():
     res, seq, space = run(PredictPolicy(), step_change, capacity=206_000)
     assert seq == [1, 68, 259, 449]

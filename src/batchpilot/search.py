@@ -19,6 +19,7 @@ largest fitting size below the smallest failing one.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
@@ -225,6 +226,17 @@ def _clamp(b: int, lo: int, hi: int | None) -> int:
     return b if hi is None else min(b, hi)
 
 
+def _check_start(start: int | None) -> None:
+    """Reject a non-positive ``start`` (shared by the policies that take one)."""
+    if start is not None and start < 1:
+        raise BatchSizeError(f"start must be at least 1, got {start}")
+
+
+def _first_size(start: int | None, space: SearchSpace) -> int:
+    """The first size to try: ``start`` (or ``min_batch_size``) inside the bounds."""
+    return _clamp(start or space.min_batch_size, space.min_batch_size, space.upper)
+
+
 class SearchPolicy(ABC):
     """Chooses the next batch size from the trials so far; ``None`` means stop.
 
@@ -259,12 +271,11 @@ class PowerPolicy(SearchPolicy):
     start: int | None = None
 
     def __post_init__(self) -> None:
-        if self.start is not None and self.start < 1:
-            raise BatchSizeError(f"start must be at least 1, got {self.start}")
+        _check_start(self.start)
 
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         if not trials:
-            return _clamp(self.start or space.min_batch_size, space.min_batch_size, space.upper)
+            return _first_size(self.start, space)
         last, (lo, hi) = trials[-1], bracket(trials)
         if last.fits:
             if hi is not None or last.batch_size == space.upper:
@@ -293,12 +304,11 @@ class BinsearchPolicy(SearchPolicy):
     start: int | None = None
 
     def __post_init__(self) -> None:
-        if self.start is not None and self.start < 1:
-            raise BatchSizeError(f"start must be at least 1, got {self.start}")
+        _check_start(self.start)
 
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         if not trials:
-            return _clamp(self.start or space.min_batch_size, space.min_batch_size, space.upper)
+            return _first_size(self.start, space)
         lo, hi = bracket(trials)
         if hi is None:  # still growing
             if lo == space.upper:
@@ -369,18 +379,26 @@ class PredictPolicy(SearchPolicy):
        running b + 1; otherwise b + 1 is run.
 
     Guards: no line through the start bytes and the largest fit's peak is
-    steeper than their proportional slope, so an extrapolation stops where
-    that slope reaches the capacity (or at twice the fit, if that is
-    farther): a flat start — the optimizer step outweighing the activations
-    of small batches — is left without jumping into an OOM. After an OOM the
-    next size is at most the midpoint of the bracket. After two guesses
-    inside a bracket that each left more than half of it, the next is the
-    midpoint, so the worst case is logarithmic.
+    steeper than their proportional slope, so an extrapolation stops at the
+    *ceiling*, where that slope reaches the capacity (or at twice the fit, if
+    that is farther). A *flat start* — the optimizer step outweighing the
+    activations of small batches, so the line's answer is more than 16 times
+    the ceiling — jumps instead to the geometric mean of the two: stepping by
+    ceilings would stop in the transition between the two regimes, off both
+    lines, and cost a trial more; the jump risks one OOM. After an OOM the
+    next size is at most the midpoint of the bracket and the ceiling. After
+    two guesses inside a bracket that each left more than half of it (and
+    did not double its floor), the next is the midpoint, so the worst case
+    is logarithmic.
 
     Linear memory whose fixed part is small next to a sample takes 3 trials
     (``min_batch_size``, the proportional guess, the boundary); a kink adds
     one or two; a large step in the peak or strongly superlinear memory 6 to
-    12. On the reference models (CPU, 16 MiB): CNN 3, transformer 4, MLP 6.
+    12. On the reference models (CPU, 16 MiB): CNN 3 (1, 35, 47), transformer
+    4 (1, 28, 74 over the target, 72), MLP 5 (1, 14, 3324 over the target,
+    2813, 2841), none with an OOM. The MLP cannot take 4: its first two sizes
+    lie on the flat part, and a certificate needs b + 1 or three trials on
+    the steep line.
 
     Attributes:
         first_guess: a size to try first (e.g. from the planner).
@@ -409,7 +427,7 @@ class PredictPolicy(SearchPolicy):
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         lo_b, up = space.min_batch_size, space.upper
         if not trials:
-            return _clamp(self.first_guess or lo_b, lo_b, up)
+            return _first_size(self.first_guess, space)
         lo, hi = bracket(trials)
         if hi is not None and hi <= lo_b:
             return None  # nothing fits
@@ -467,16 +485,38 @@ class PredictPolicy(SearchPolicy):
             return _solve(lo, pts[lo], hi, pts[hi], limit)
         if hi is not None:
             # an OOM means the line was wrong by more than the headroom: take at most
-            # the midpoint, or less where the failure counted at the capacity says so
-            guesses = [(lo + hi) // 2, _solve(lo, pts[lo], hi, cap, limit), extrap]
+            # the midpoint, or less where the failure counted at the capacity says so; and
+            # no more than the ceiling, so after a flat-start jump's OOM the search climbs
+            # as it would have without the jump instead of risking a second OOM
+            guesses = [(lo + hi) // 2, _solve(lo, pts[lo], hi, cap, limit), extrap,
+                       self._ceiling(by_size[lo], cap)]
             return min(g for g in guesses if g is not None)
         if len(goods) < 2:
             return _proportional(by_size[lo], limit, cap)
         # a steeper line may still overtake (activations outgrowing the optimizer step), but
-        # none steeper than the proportional slope: stop where that one reaches the capacity,
-        # or at twice the size when that is closer, so a flat start is left in a few doublings
-        ceiling = max(_proportional(by_size[lo], cap, cap) or 0, 2 * lo)
-        return ceiling if extrap is None else min(extrap, ceiling)
+        # none steeper than the proportional slope: where that one reaches the capacity (or
+        # twice the size, when that is farther) is as far as no OOM is certain
+        ceiling = self._ceiling(by_size[lo], cap)
+        if extrap is None:
+            return ceiling
+        if extrap <= _FLAT * ceiling:
+            return min(extrap, ceiling)
+        # a flat start: the boundary lies between the ceiling and the line's answer (memory is
+        # convex, so the line's answer is an upper bound), and that far apart the two fits sit
+        # where the optimizer step outweighs the activations. The ceiling would land on the
+        # transition, where no two trials share a line; the geometric mean of the two lands
+        # past it in one jump, at the risk of one OOM, and halves the bracket's log-ratio
+        return math.isqrt(ceiling * extrap)
+
+    @staticmethod
+    def _ceiling(t: Trial, cap: int) -> int:
+        """Where the proportional slope through fit ``t`` reaches the capacity, or ``2 × b`` if farther."""
+        return max(_proportional(t, cap, cap) or 0, 2 * t.batch_size)
+
+
+#: A line whose answer is this many times the proportional ceiling marks a flat start:
+#: its slope is under 1/16 of the proportional one, the peak barely grew with the batch.
+_FLAT = 16
 
 
 def _solve(x0: int, p0: int, x1: int, p1: int, limit: int) -> int | None:
@@ -515,7 +555,10 @@ def _slow_progress(trials: Sequence[Trial], count: int) -> bool:
         lo1, hi1 = bracket(trials[: k + 1])
         f0 = lo0 if lo0 is not None else 0
         f1 = lo1 if lo1 is not None else 0
-        if 2 * (hi1 - f1) <= hi0 - f0:
+        # halving the bracket is progress, and so is doubling its floor: fits that climb
+        # geometrically towards a distant failure (an OOM far past a flat start) reach it
+        # in logarithmically many steps without a midpoint that would OOM again
+        if 2 * (hi1 - f1) <= hi0 - f0 or (f0 > 0 and f1 >= 2 * f0):
             return False
     return True
 
