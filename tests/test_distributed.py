@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from batchpilot import distributed as bd
+from batchpilot import gradsync
 from batchpilot.engine import Coordinator
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -156,9 +157,9 @@ def test_buckets_split_by_dtype_and_cap():
     a, b = torch.zeros(10), torch.zeros(10)  # 40 bytes each
     c = torch.zeros(10, dtype=torch.bfloat16)
     d = torch.zeros(30)
-    assert [len(x) for x in bd._buckets([a, b, c, d], cap_bytes=100)] == [2, 1, 1]
-    assert [len(x) for x in bd._buckets([a, b, d], cap_bytes=80)] == [2, 1]
-    assert bd._buckets([], cap_bytes=80) == []
+    assert [len(x) for x in gradsync._buckets([a, b, c, d], cap_bytes=100)] == [2, 1, 1]
+    assert [len(x) for x in gradsync._buckets([a, b, d], cap_bytes=80)] == [2, 1]
+    assert gradsync._buckets([], cap_bytes=80) == []
 
 
 def test_unwrap_model_leaves_plain_modules_alone():

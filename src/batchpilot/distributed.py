@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .find import BatchPlan, NothingFitsError, find_batch_size
+from .gradsync import all_reduce_gradients, broadcast_buffers, syncs_buffers
 from .oom import is_oom
 
 __all__ = [
@@ -57,12 +58,6 @@ logger = logging.getLogger(__name__)
 ReduceOp = Literal["min", "max", "sum"]
 
 _OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-
-# Gradients smaller than this are packed into flat buckets: for them a collective's fixed
-# latency outweighs the bytes. Larger ones are all-reduced in place, which needs no copy, so
-# the sync's extra memory is at most one bucket of small gradients.
-_PACK_BELOW = 2**20
-
 
 # ---------------------------------------------------------------------------
 # Rank helpers: the one place that answers "which rank am I, out of how many?"
@@ -453,117 +448,14 @@ class DistributedCoordinator:
         for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("sparse gradients are not supported by DistributedCoordinator.sync_gradients")
-        small = [p for p in params if _nbytes(p) < _PACK_BELOW]
-        large = [p for p in params if _nbytes(p) >= _PACK_BELOW]
-        buckets = _buckets(small, self.bucket_cap_bytes) or [[]]
-        # The first collective also carries one presence flag per parameter, so every rank knows
-        # which gradients exist anywhere before the in-place all-reduces below (which must pair up).
+        all_reduce_gradients(params, world, self.group, bucket_cap_bytes=self.bucket_cap_bytes,
+                             on_collective=self._count_collective)
+        if self.sync_buffers and syncs_buffers(model):
+            broadcast_buffers(list(unwrap_model(model).buffers()), self.group,
+                              bucket_cap_bytes=self.bucket_cap_bytes, on_collective=self._count_collective)
+
+    def _count_collective(self) -> None:
         self.collectives += 1
-        present = _all_reduce_packed(buckets[0], world, self.group, flags_for=params)
-        works = []
-        for bucket in buckets[1:]:
-            self.collectives += 1
-            _all_reduce_packed(bucket, world, self.group, present=present)
-        for p in large:
-            if not present[id(p)]:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # another rank has this gradient: ours is zero
-            else:
-                # dividing first keeps fp16 sums in range, as DDP's gradient pre-division does
-                p.grad.div_(world)
-            self.collectives += 1
-            works.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
-        if self.sync_buffers and _syncs_buffers(model):
-            for bucket in _buckets(list(unwrap_model(model).buffers()), self.bucket_cap_bytes):
-                self.collectives += 1
-                _broadcast_bucket(bucket, self.group)
-
-
-def _syncs_buffers(model: nn.Module) -> bool:
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
-        return False
-    return bool(getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False)))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one dtype and device, at most ``cap_bytes`` per bucket.
-
-    Every rank holds the same parameters in the same order, so the buckets pair up.
-    """
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        last = buckets[-1] if buckets else None
-        if last is None or size + _nbytes(t) > cap_bytes or (t.dtype, t.device) != (last[0].dtype, last[0].device):
-            buckets.append([t])
-            size = _nbytes(t)
-        else:
-            last.append(t)
-            size += _nbytes(t)
-    return buckets
-
-
-def _all_reduce_packed(
-    params: list[torch.Tensor], world: int, group: Any, *,
-    flags_for: list[torch.Tensor] = (), present: dict[int, bool] | None = None,
-) -> dict[int, bool]:
-    """Average the gradients of ``params`` over ranks with one all-reduce of a flat copy.
-
-    With ``flags_for``, the buffer ends with one presence flag per parameter listed there
-    (1 where this rank has its gradient; summed over ranks, non-zero where any rank has it),
-    and the result is ``{id(param): present on some rank}``; otherwise ``present`` must be
-    that mapping from an earlier call. A gradient that is ``None`` here but present elsewhere
-    is created. The copy is allocated after the backward, when the step's activations are gone.
-    """
-    anchor = params[0] if params else flags_for[0]
-    # flags ride in the bucket's own dtype: a sum of 0s and 1s is non-zero exactly when one was 1
-    dtype = anchor.dtype if anchor.is_floating_point() else torch.float32
-    numels = [p.numel() for p in params]
-    flat = torch.empty(sum(numels) + len(flags_for), dtype=dtype, device=anchor.device)
-    offset = 0
-    for p, n in zip(params, numels):
-        view = flat.narrow(0, offset, n)
-        if p.grad is None:
-            view.zero_()
-        else:
-            torch.div(p.grad.reshape(-1), world, out=view)
-        offset += n
-    if flags_for:
-        flags = torch.tensor([p.grad is not None for p in flags_for], dtype=dtype)
-        flat.narrow(0, offset, len(flags_for)).copy_(flags)
-    dist.all_reduce(flat, group=group)
-    if flags_for:
-        present = {id(p): v != 0 for p, v in zip(flags_for, flat.narrow(0, offset, len(flags_for)).tolist())}
-    assert present is not None
-    offset = 0
-    for p, n in zip(params, numels):
-        view = flat.narrow(0, offset, n).view_as(p)
-        offset += n
-        if p.grad is not None:
-            p.grad.copy_(view)
-        elif present[id(p)]:
-            p.grad = view.clone()
-    return present
-
-
-def _broadcast_bucket(buffers: list[torch.Tensor], group: Any) -> None:
-    """Overwrite ``buffers`` with rank 0's values, in one broadcast."""
-    with torch.no_grad():
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        # the group's rank 0, which DDP treats as authoritative
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for b in buffers:
-            b.copy_(flat.narrow(0, offset, b.numel()).view_as(b))
-            offset += b.numel()
 
 
 # ---------------------------------------------------------------------------

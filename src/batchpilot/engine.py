@@ -59,12 +59,13 @@ import logging
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from .batching import BatchConfig, split_sizes
+from .coordinator import Coordinator, LocalCoordinator
 from .find import find_batch_size
 from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
 from .microbatch import BatchSplitter, as_loss_fn
@@ -96,85 +97,6 @@ _READABLE_VERSIONS = (1, 2)
 
 class BatchDoesNotFitError(RuntimeError):
     """Even a micro-batch of one sample runs out of memory."""
-
-
-@runtime_checkable
-class Coordinator(Protocol):
-    """How the engine agrees with the other data-parallel ranks.
-
-    Every rank makes the same calls in the same order, so collectives inside them pair up:
-
-    1. ``agree_micro_batch(size)`` when an ``"auto"`` engine picks its first micro-batch;
-    2. per attempt at the batch, once the local attempt has returned or failed (never inside
-       an ``except`` block): a fixed engine calls ``agree_oom(oom)``; an ``"auto"`` engine calls
-       ``agree(oom, next_size)``, which also agrees on the micro-batch of the next step
-       (``next_size`` is this rank's proposal, meaningful only where the attempt succeeded).
-       After an agreed OOM, an ``"auto"`` engine calls ``agree_micro_batch(smaller)`` and
-       retries; a fixed one raises on every rank;
-    3. after the successful attempt, ``sync_gradients(model)`` if ``defer_grad_sync``, then
-       ``total_count(count)`` for ``(sum, count)`` losses.
-
-    A clean step therefore makes one agreement besides the gradient sync: ``agree`` for an
-    ``"auto"`` engine, ``agree_oom`` for a fixed one.
-
-    Attributes:
-        world_size: data-parallel ranks; gradients arrive averaged over them.
-        defer_grad_sync: ``False``: under DDP the last micro-batch's backward all-reduces the
-            gradients as usual (an OOM inside it on one rank cannot be agreed on). ``True``:
-            every micro-batch runs under ``no_sync`` and, once :meth:`agree_oom` says no rank
-            ran out of memory, :meth:`sync_gradients` averages the gradients (of a DDP-wrapped
-            model or of a plain one).
-    """
-
-    world_size: int
-    defer_grad_sync: bool
-
-    def agree_oom(self, oom: bool) -> bool:
-        """True when any rank ran out of memory in this attempt."""
-
-    def agree_micro_batch(self, size: int) -> int:
-        """The micro-batch every rank uses next (e.g. the minimum of the proposals)."""
-
-    def agree(self, oom: bool, size: int) -> tuple[bool, int]:
-        """``agree_oom(oom)`` and, when no rank ran out, ``agree_micro_batch(size)`` at once.
-
-        Returns ``(True, size)`` (the size unused) when any rank ran out of memory, else
-        ``(False, agreed size)``. A distributed coordinator does both in one collective.
-        """
-
-    def total_count(self, count: Any) -> Any:
-        """Sum of the ``(sum, count)`` losses' counts over all ranks."""
-
-    def sync_gradients(self, model: nn.Module) -> None:
-        """Average the gradients over ranks; called only when ``defer_grad_sync``."""
-
-
-class LocalCoordinator:
-    """One process: every agreement is the local answer.
-
-    Subclasses that override :meth:`agree_oom` / :meth:`agree_micro_batch` get an :meth:`agree`
-    made of the two.
-    """
-
-    world_size = 1
-    defer_grad_sync = False
-
-    def agree_oom(self, oom: bool) -> bool:
-        return oom
-
-    def agree_micro_batch(self, size: int) -> int:
-        return size
-
-    def agree(self, oom: bool, size: int) -> tuple[bool, int]:
-        if self.agree_oom(oom):
-            return True, size
-        return False, self.agree_micro_batch(size)
-
-    def total_count(self, count: Any) -> Any:
-        return count
-
-    def sync_gradients(self, model: nn.Module) -> None:
-        return None
 
 
 @dataclass(kw_only=True)
