@@ -318,3 +318,24 @@ def test_train_human_output(cli, tmp_path):
     assert "lr: 0.01 at batch 256 -> " in out
     assert "#  batch  outcome" in out
     assert f"plot: {tmp_path / 'run.png'}" in out
+
+
+def test_find_plan_first_verifies_the_plan_in_two_trials():
+    args = ("find", "--model", "mlp", "--input-shape", "64", "--capacity", "4MiB", "--json", "--no-progress")
+    plain = json.loads(run_cli(*args).stdout)
+    proc = run_cli(*args, "--plan-first")
+    assert proc.returncode == 0, proc.stderr
+    seeded = json.loads(proc.stdout)
+    assert set(seeded) == report.SCHEMAS["find"]
+    assert seeded["batch_size"] == plain["batch_size"]
+    assert seeded["stop_reason"] == "boundary"
+    # the planned batch fits and one more does not: the verification certifies it
+    assert [t["batch_size"] for t in seeded["trials"]] == [plain["batch_size"], plain["batch_size"] + 1]
+    assert plain["num_trials"] > seeded["num_trials"] == 2
+
+
+def test_find_plan_first_needs_predict():
+    proc = run_cli("find", "--model", "mlp", "--input-shape", "64", "--capacity", "4MiB", "--plan-first",
+                   "--strategy", "power", "--no-progress")
+    assert proc.returncode == 2
+    assert "--plan-first" in proc.stderr and "Traceback" not in proc.stderr

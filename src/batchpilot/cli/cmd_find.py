@@ -52,6 +52,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="smallest batch to consider (default: %(default)s)")
     s.add_argument("--steps-per-trial", metavar="N", type=positive_int, default=2,
                    help="training steps per trial; 2 or more count the optimizer state (default: %(default)s)")
+    s.add_argument("--plan-first", action="store_true",
+                   help="plan the first real trial on fake tensors (one planning pass, no device memory), then "
+                        "verify it: fewer real trials and OOMs where trials are expensive (GPUs); falls back "
+                        "to an unseeded search if the model cannot be planned")
     s.add_argument("--seed", type=int, default=0, help="seed of the model weights and random inputs (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -89,6 +93,33 @@ def _human(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _planned_guess(
+    args: argparse.Namespace, workload: Workload, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> int | None:
+    """The planner's answer for this step and limit, or ``None`` when it cannot plan one."""
+    # imported here: fake tensors are only needed when a plan is asked for
+    from ..memory import get_probe
+    from ..plan import PlanningError, plan_batch_size
+
+    if args.strategy != "predict":
+        raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
+    capacity = args.capacity if args.capacity is not None else get_probe(device).capacity()
+    sample = workload.make_batch(2, generator=torch.Generator().manual_seed(args.seed), device="cpu")
+    try:
+        planned = plan_batch_size(
+            model, sample, capacity=capacity, target=args.target, optimizer=optimizer, amp=args.amp,
+            steps=args.steps_per_trial, device="cuda" if device.type == "cuda" else "cpu",
+            max_batch_size=args.max_batch_size or 1 << 20,
+        )
+    except PlanningError as exc:
+        print(f"batchpilot: --plan-first: cannot plan this model ({exc}); searching unseeded", file=sys.stderr)
+        return None
+    if planned.batch_size < args.min_batch_size:
+        return None
+    return planned.batch_size
+
+
 def run(args: argparse.Namespace) -> int:
     workload = Workload(model_spec=args.model, input_shape=args.input_shape, num_classes=args.num_classes,
                         optimizer=args.optimizer, amp=args.amp)
@@ -117,12 +148,16 @@ def run(args: argparse.Namespace) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    first_guess = None
+    if args.plan_first:
+        first_guess = _planned_guess(args, workload, model, optimizer, device)
     # with a capacity the finder runs its trials under emulate_capacity itself
     with report.logging_through_progress(not args.no_progress):
         plan = find_batch_size(
             step, device=device, target=args.target, capacity=args.capacity, strategy=args.strategy,
             min_batch_size=args.min_batch_size, max_batch_size=args.max_batch_size,
             steps_per_trial=args.steps_per_trial, restore=(model, optimizer), progress=not args.no_progress,
+            first_guess=first_guess,
         )
     doc = find_document(workload, plan, device)
     print(report.to_json(doc) if args.json else _human(doc))
