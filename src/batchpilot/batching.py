@@ -55,12 +55,13 @@ ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 ADAPTIVE_NAME_MARKERS: tuple[str, ...] = ("ada", "lamb")
 
 
-def _check_positive_int(name: str, value: Any) -> int:
+def _check_positive_int(name: str, value: Any, extra: str = "") -> int:
+    """``value`` as an int >= 1; ``extra`` names other accepted values in the message (the engine's "auto")."""
     # bool is an Integral, but True as a batch size is always a bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be a positive int{extra}, got {value!r} ({type(value).__name__})")
     if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
+        raise ValueError(f"{name} must be a positive int{extra}, got {value}")
     return int(value)
 
 

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from .batching import BatchConfig, split_sizes
+from .batching import _check_positive_int as _positive_int
 from .coordinator import Coordinator, LocalCoordinator
 from .find import find_batch_size
 from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
@@ -852,12 +853,6 @@ def _per_rank_batch(global_batch_size: int, world_size: int) -> int:
             "an equal share of it"
         ) from None
     return global_batch_size // world_size
-
-
-def _positive_int(name: str, value: Any, extra: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int{extra}, got {value!r}")
-    return int(value)
 
 
 def _parse_loss(out: Any) -> tuple[torch.Tensor, Any, str]:
