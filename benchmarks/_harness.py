@@ -309,6 +309,44 @@ def is_allocator_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
 
 
+def largest_fitting(fits: Callable[[int], bool], start: int, *, shrink: float = 2.0,
+                    check_next: bool = False) -> int:
+    """Largest ``b`` with ``fits(b)`` (0 if not even 1 fits), assuming ``fits`` is monotone.
+
+    Brackets from ``start`` (up by x1.5 while it fits, down by /``shrink`` while it does not),
+    then bisects to a size that fits next to one that does not. ``start`` only saves probes.
+    ``check_next`` probes ``start + 1`` first when ``start`` fits: two probes in all when the
+    start is already the boundary (e.g. a finder's answer).
+    """
+    lo, hi = 0, None  # lo fits (0: nothing known), hi does not
+    b = max(1, start)
+    if fits(b):
+        lo = b
+        if check_next and not fits(b + 1):
+            hi = b + 1
+        while hi is None:
+            b = max(lo + 1, int(lo * 1.5))
+            if fits(b):
+                lo = b
+            else:
+                hi = b
+    else:
+        hi = b
+        while lo == 0 and hi > 1:
+            b = max(1, int(hi / shrink))
+            if fits(b):
+                lo = b
+            else:
+                hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class CallLog:
     """Wraps a ``step(b)`` callable: records each call's batch size and how it ended.
 

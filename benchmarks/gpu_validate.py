@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import machine  # noqa: E402
+from _harness import largest_fitting, machine  # noqa: E402
 
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
 from batchpilot.find import find_batch_size  # noqa: E402
@@ -306,33 +306,7 @@ def true_max(r: Runner, capacity: int, start: int) -> tuple[int, int]:
         probes += 1
         return fits(r, b, capacity, snapshot)
 
-    lo, hi = 0, None
-    b = max(1, start)
-    if probe(b):
-        lo = b
-        if not probe(b + 1):  # the start is the boundary already: b fits, b + 1 does not
-            hi = b + 1
-        while hi is None:
-            b = max(lo + 1, int(lo * 1.5))
-            if probe(b):
-                lo = b
-            else:
-                hi = b
-    else:
-        hi = b
-        while lo == 0 and hi > 1:
-            b = max(1, hi // 2)
-            if probe(b):
-                lo = b
-            else:
-                hi = b
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, probes
+    return largest_fitting(probe, start, check_next=True), probes
 
 
 def check_finder(r: Runner, capacity: int, target: float, rows: list, doc: dict) -> int:

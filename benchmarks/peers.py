@@ -51,6 +51,7 @@ from _harness import (  # noqa: E402
     cap_address_space,
     emit,
     is_allocator_oom,
+    largest_fitting,
     load_cache,
     machine,
     passthrough,
@@ -343,29 +344,7 @@ def true_max(model: str, setting: Setting, *, use_cache: bool = True, log=print)
         return probes[b]
 
     g = _guess(model, setting.cap_mib, setting.quick)
-    lo, hi = 0, None  # lo fits (0: nothing known), hi does not
-    if fits(g):
-        lo = g
-        while hi is None:
-            b = max(lo + 1, int(lo * 1.5))
-            if fits(b):
-                lo = b
-            else:
-                hi = b
-    else:
-        hi = g
-        while lo == 0 and hi > 1:
-            b = max(1, int(hi / 1.5))
-            if fits(b):
-                lo = b
-            else:
-                hi = b
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo = largest_fitting(fits, g, shrink=1.5)
     doc = {"batch_size": lo, "probes": dict(sorted((str(k), v) for k, v in probes.items())),
            "seconds": time.perf_counter() - t0, "guess": g}
     log(f"  true max {model} @ {setting.cap_mib} MiB: {lo} ({len(probes)} fresh-process probes, {doc['seconds']:.0f} s)")

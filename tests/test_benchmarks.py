@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from _harness import CallLog, SampleDataset, Workload, is_allocator_oom  # noqa: E402
+from _harness import CallLog, SampleDataset, Workload, is_allocator_oom, largest_fitting  # noqa: E402
 
 SLOW = os.environ.get("BATCHPILOT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="runs every peer in fresh processes (minutes); set BATCHPILOT_SLOW=1")
@@ -174,3 +174,18 @@ def test_run_all_rejects_unknown_names():
     proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--only", "nope"], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "no benchmark 'nope'" in proc.stderr
+
+
+@pytest.mark.parametrize("truth", [0, 1, 2, 37, 1000])
+@pytest.mark.parametrize("start", [1, 36, 37, 38, 5000])
+@pytest.mark.parametrize("options", [{}, {"shrink": 1.5}, {"check_next": True}])
+def test_largest_fitting_finds_the_boundary_from_any_start(truth, start, options):
+    probed = []
+
+    def fits(b):
+        probed.append(b)
+        return b <= truth
+
+    assert largest_fitting(fits, start, **options) == truth
+    if options.get("check_next") and start == truth:
+        assert probed == [truth, truth + 1]  # a start at the boundary costs two probes
