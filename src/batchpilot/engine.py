@@ -67,7 +67,7 @@ from torch import nn
 from .batching import BatchConfig, split_sizes
 from .batching import _check_positive_int as _positive_int
 from .coordinator import Coordinator, LocalCoordinator
-from .find import find_batch_size
+from .find import BatchPlan, find_batch_size
 from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
 from .microbatch import BatchSplitter, as_loss_fn
 from .oom import attempt
@@ -208,7 +208,8 @@ class Engine:
         micro_batch_size: ``"auto"`` (adapt; start from ``start``, else from the finder) or a
             fixed int (no adaptation; an OOM raises after the partial gradients are dropped);
             at most the per-rank batch.
-        start: first micro-batch for ``"auto"``; ``None`` runs
+        start: first micro-batch for ``"auto"``: an int, or the :class:`~batchpilot.find.BatchPlan`
+            of a search already run (its batch size and memory fit are used, no trial runs); ``None`` runs
             :func:`~batchpilot.find.find_batch_size` on the first batch (with several ranks
             :func:`~batchpilot.distributed.find_batch_size_distributed`, on the module inside a
             DDP wrapper).
@@ -244,7 +245,7 @@ class Engine:
         *,
         global_batch_size: int,
         micro_batch_size: int | Literal["auto"] = "auto",
-        start: int | None = None,
+        start: int | BatchPlan | None = None,
         device: torch.device | str | None = None,
         amp: str | torch.dtype | None = None,
         grad_clip: float | None = None,
@@ -259,9 +260,14 @@ class Engine:
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
         self._per_rank = _per_rank_batch(self._global, self._world)
         self.config = config if config is not None else EngineConfig()
+        #: the finder's plan the first micro-batch came from (given as ``start`` or found on step 1)
+        self.plan: BatchPlan | None = None
         if micro_batch_size == "auto":
             self.fixed = False
-            if start is not None:
+            if isinstance(start, BatchPlan):
+                self.plan = start
+                start = max(1, min(int(start.batch_size), self._per_rank))
+            elif start is not None:
                 _positive_int("start", start)
                 if start > self._per_rank:
                     raise ValueError(
@@ -526,6 +532,8 @@ class Engine:
         start = self._start
         if start is None:
             start = self._find_start(split)
+        elif self.plan is not None:
+            self._adopt_fit(self.plan)
         self._make_policy(min(start, self._per_rank))
         self.micro_batch_size = self.coordinator.agree_micro_batch(self.policy.micro)
         self.policy.adopt(self.micro_batch_size)
@@ -596,12 +604,17 @@ class Engine:
                 self.coordinator.limited_by_rank = plan.limited_by_rank
         else:
             plan = find_batch_size(trial, restore=(inner, self.optimizer), **options)
+        self.plan = plan
+        self._adopt_fit(plan)
+        return max(1, int(plan.batch_size))
+
+    def _adopt_fit(self, plan: BatchPlan) -> None:
+        """Use the finder's memory line as the prior until the engine has measured two sizes."""
         fit = plan.fit
         if fit is not None and fit.bytes_per_sample > 0:
             # the finder's line is absolute; the engine models the increase over what is in use
             fixed = max(0.0, float(fit.fixed_bytes) - self._probe.allocated()) if self._measured() else 0.0
             self.fit.prior = (fixed, float(fit.bytes_per_sample))
-        return max(1, int(plan.batch_size))
 
     # ------------------------------------------------------------------ the step
     def _accumulate(

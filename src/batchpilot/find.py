@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Literal
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .amp import amp_dtype as _amp_dtype
 from .memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from .oom import attempt
 from .search import (
@@ -456,10 +458,11 @@ def find_batch_size_for(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     mode: Literal["train", "eval"] = "train",
     forward: Callable[[nn.Module, Any], Any] | None = None,
-    amp_dtype: torch.dtype | None = None,
+    amp: str | torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     restore: Iterable[Any] | None = None,
     plan_first: bool = False,
+    amp_dtype: torch.dtype | None = None,
     **options: Any,
 ) -> BatchPlan:
     """Find the batch size for a model without writing the step.
@@ -492,7 +495,8 @@ def find_batch_size_for(
         mode: ``"train"`` or ``"eval"``.
         forward: ``forward(model, batch)`` returning the loss (train) or the
             outputs (eval), for batches of another layout.
-        amp_dtype: run the forward under ``torch.autocast`` with this dtype.
+        amp: ``"bf16"`` / ``"fp16"`` (or a dtype): run the forward under ``torch.autocast``.
+        amp_dtype: deprecated spelling of ``amp``.
         scaler: a ``GradScaler`` for fp16 training.
         restore: what to snapshot and restore; default the model, optimizer and scaler.
         plan_first: seed the search with the planner's answer (``first_guess``);
@@ -508,6 +512,11 @@ def find_batch_size_for(
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if amp_dtype is not None:
+        warnings.warn("find_batch_size_for(amp_dtype=) is deprecated; pass amp='bf16' / 'fp16'",
+                      DeprecationWarning, stacklevel=2)
+        amp = amp if amp is not None else amp_dtype
+    amp_dtype = _amp_dtype(amp)
     if mode == "train" and optimizer is None:
         raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
     if mode == "train" and forward is None and loss_fn is None:
