@@ -205,7 +205,7 @@ class Runner:
 
     def step(self, b: int) -> None:
         """forward / backward / Adam on a fresh batch of ``b``; the planner's ``default_step``."""
-        default_step(self.model, self.optimizer, self.case.make_batch(b, self.device), loss_fn=self.case.loss,
+        default_step(self.model, self.optimizer, self.case.make_batch(b, self.device), loss_fn=self.engine_loss,
                      amp=self.amp)
 
     def engine_loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -232,13 +232,13 @@ def measure_peak(r: Runner, b: int, steps: int = 2) -> tuple[int, int]:
     if r.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(r.device)
         for _ in range(steps):
-            default_step(r.model, r.optimizer, batch, loss_fn=r.case.loss, amp=r.amp)
+            default_step(r.model, r.optimizer, batch, loss_fn=r.engine_loss, amp=r.amp)
         r.sync()
         out = (torch.cuda.max_memory_allocated(r.device), torch.cuda.max_memory_reserved(r.device))
     else:  # exact tensor bytes; a CPU has no reserve beyond them
         with track_peak("cpu", track=(r.model, r.optimizer, batch)) as m:
             for _ in range(steps):
-                default_step(r.model, r.optimizer, batch, loss_fn=r.case.loss, amp=r.amp)
+                default_step(r.model, r.optimizer, batch, loss_fn=r.engine_loss, amp=r.amp)
         out = (m.peak_bytes, m.peak_bytes)
     del batch
     r.release()
@@ -263,7 +263,7 @@ def check_planner(r: Runner, rows: list, doc: dict) -> None:
     sample = r.case.make_batch(2, torch.device("cpu"))
     for b in r.case.plan_sizes:
         est = estimate_peak_memory(r.model, sample, b, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                                   loss_fn=r.case.loss, steps=2, amp=r.amp, device=plan_device, accounting=accounting)
+                                   loss_fn=r.engine_loss, steps=2, amp=r.amp, device=plan_device, accounting=accounting)
         alloc, reserved = measure_peak(r, b)
         entry = {"batch_size": b, "predicted_allocated": est.allocated_bytes, "measured_allocated": alloc,
                  "predicted_reserved": est.reserved_bytes, "measured_reserved": reserved,

@@ -67,16 +67,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     state = None
     if args.checkpoint and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint, map_location=device, weights_only=False)
+        # weights_only: the checkpoint holds tensors, numbers and strings only, nothing to unpickle
+        state = torch.load(args.checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if bd.is_distributed() else model
-    coordinator = bd.DistributedCoordinator()
     # the global batch over all ranks; a value that does not divide by the world size is refused
-    # with the nearest ones that do
-    engine = Engine(ddp, optimizer, nn.CrossEntropyLoss(), global_batch_size=args.global_batch, device=device,
-                    coordinator=coordinator)
+    # with the nearest ones that do. Under torchrun the engine agrees with the other ranks by itself
+    # (batchpilot.distributed.DistributedCoordinator).
+    engine = Engine(ddp, optimizer, nn.CrossEntropyLoss(), global_batch_size=args.global_batch, device=device)
+    coordinator = engine.coordinator
     per_rank = engine.per_rank_batch_size
     sampler = ElasticBatchSampler(len(data), per_rank, shuffle=True, seed=0)
     loader = ElasticLoader(data, sampler)
@@ -106,7 +107,7 @@ def main() -> None:
             if rank == 0:
                 print(f"epoch {epoch} step {step}: loss {result.loss:.4f}, micro-batch {result.micro_batch_size} "
                       f"x {result.accum_steps} accumulation x {world} rank(s), OOM retries {result.ooms}, "
-                      f"limited by rank {coordinator.limited_by_rank}", flush=True)
+                      f"limited by rank {getattr(coordinator, 'limited_by_rank', None)}", flush=True)
             if args.steps is not None and step >= args.steps:
                 break
         if args.steps is not None and step >= args.steps:

@@ -12,6 +12,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
+# tests import the helper modules (dist_common, pure, ...) by name
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ from torch import nn
 
 from batchpilot.engine import Engine
 from batchpilot.memory import track_peak
-from batchpilot.microbatch import supervised_loss
+from batchpilot.loss import supervised_loss
 from batchpilot.models import MLP, SmallCNN, example_batch
 
 GLOBAL = {"mlp": 64, "cnn": 16}

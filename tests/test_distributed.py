@@ -50,7 +50,7 @@ def launched(tmp_path_factory) -> Path:
     # (the whole per-rank batch of 16) is larger than the 2-rank run's per-rank batch of 8
     dc.run_elastic(out, "save1", steps=3, save=out / "ckpt1.pt", micro=dc.ELASTIC_GLOBAL)
     torchrun(
-        WORKER, str(out), "collectives", "find", "engine-find", "oom", "elastic-resume", "elastic-save",
+        WORKER, str(out), "collectives", "find", "engine-find", "oom", "plain", "elastic-resume", "elastic-save",
         env={"ELASTIC_RESUME": str(out / "ckpt1.pt"), "ELASTIC_SAVE": str(out / "ckpt2.pt")},
         timeout=180,
     )
@@ -255,6 +255,19 @@ def test_oom_on_rank_one_only_keeps_ranks_identical_and_exact(launched):
     p1 = torch.load(launched / "oom_params_rank1.pt")
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
     _assert_params_close(p0, dc.reference_oom_params())
+
+
+def test_an_engine_given_no_coordinator_trains_the_global_batch_under_torchrun(launched):
+    # a 2-rank process group and an unwrapped model: the engine must not fall back to a world of 1
+    r0, r1 = (_load(launched, f"plain_rank{r}.json") for r in (0, 1))
+    for r in (r0, r1):
+        assert r["coordinator"] == "DistributedCoordinator" and r["world"] == 2
+        assert r["per_rank"] == dc.OOM_GLOBAL // 2 and r["samples"] == [dc.OOM_GLOBAL // 2] * dc.PLAIN_STEPS
+    p0 = torch.load(launched / "plain_params_rank0.pt")
+    p1 = torch.load(launched / "plain_params_rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    # gradients averaged over the ranks: one process on the whole global batch, step for step
+    _assert_params_close(p0, dc.reference_oom_params(dc.PLAIN_STEPS))
 
 
 def test_engine_finder_under_overlapped_ddp_agrees_on_the_smaller_rank(launched):

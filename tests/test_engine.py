@@ -10,7 +10,7 @@ from torch import nn
 
 from batchpilot.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
 from batchpilot.memory import emulate_capacity
-from batchpilot.microbatch import BatchSplitter, batch_size_of, supervised_loss
+from batchpilot.loss import supervised_loss
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 
@@ -317,17 +317,6 @@ def test_sum_reduction_criterion_is_averaged():
     assert a.loss == pytest.approx(b.loss, rel=1e-6)
 
 
-def test_splitter_views_and_errors():
-    x = torch.arange(10.0)
-    s = BatchSplitter((x, [x * 2], "tag"))
-    part = s.slice(3, 4)
-    assert part[0].data_ptr() == x[3:].data_ptr() and part[1][0].tolist() == [6, 8, 10, 12] and part[2] == "tag"
-    with pytest.raises(ValueError, match="disagree on dim 0"):
-        batch_size_of((torch.zeros(3), torch.zeros(4)))
-    with pytest.raises(ValueError, match="no tensor with a batch dimension"):
-        batch_size_of({"a": 1, "b": torch.tensor(2.0)})
-
-
 # ---------------------------------------------------------------------------
 # Bad input
 
@@ -380,7 +369,7 @@ def test_bad_losses_and_batches():
     eng = Engine(model, opt, CE, global_batch_size=4)
     with pytest.raises(ValueError, match="the batch has 10 samples but global_batch_size is 4"):
         eng.step((x, y))
-    with pytest.raises(ValueError, match="disagree on dim 0"):
+    with pytest.raises(ValueError, match="disagree on the batch size"):
         eng.step((x[:4], y[:3]))
 
 

@@ -9,18 +9,6 @@ from hypothesis import strategies as st
 from batchpilot.policy import MicroBatchPolicy, PeakFit, accum_steps, efficient_size
 
 
-def test_policy_module_does_not_import_torch():
-    import ast
-    import inspect
-
-    import batchpilot.policy as mod
-
-    tree = ast.parse(inspect.getsource(mod))
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "torch" not in imported
-
-
 @pytest.mark.parametrize("total,micro,expected", [(24, 10, 8), (24, 8, 8), (64, 20, 16), (10, 4, 4), (7, 100, 7), (5, 1, 1)])
 def test_efficient_size(total, micro, expected):
     assert efficient_size(total, micro) == expected

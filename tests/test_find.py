@@ -152,7 +152,7 @@ def test_grad_scaler_state_is_restored():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
     before = copy.deepcopy(scaler.state_dict())
     plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), scaler=scaler,
-                               amp_dtype=torch.bfloat16, capacity=CAPACITY, strategy="power", max_batch_size=8)
+                               amp="bf16", capacity=CAPACITY, strategy="power", max_batch_size=8)
     assert plan.batch_size == 8
     assert scaler.state_dict() == before
 
@@ -360,8 +360,20 @@ def test_make_batch_fn():
     assert out["x"].untyped_storage().nbytes() == 5 * 2 * 4  # owns exactly b rows
     fn = lambda b: b  # noqa: E731
     assert make_batch_fn(fn) is fn
-    with pytest.raises(ValueError, match="first"):
+    with pytest.raises(ValueError, match="disagree on the batch size"):
         make_batch_fn((torch.zeros(3), torch.zeros(4)))
+
+
+def test_deprecated_spellings_still_work_and_warn():
+    model, opt, batch = setup("mlp")
+    with pytest.warns(DeprecationWarning, match="amp_dtype"):
+        a = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
+                                capacity=CAPACITY, strategy="power", max_batch_size=8)
+    criterion = nn.CrossEntropyLoss()
+    with pytest.warns(DeprecationWarning, match="forward"):
+        b = find_batch_size_for(model, batch, optimizer=opt, forward=lambda m, bt: criterion(m(bt[0]), bt[1]),
+                                capacity=CAPACITY, strategy="power", max_batch_size=8)
+    assert a.batch_size == b.batch_size == 8
 
 
 def test_snapshot_refuses_unknown_objects():

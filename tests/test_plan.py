@@ -384,8 +384,10 @@ def test_bad_plan_arguments():
         estimate_peak_memory(model, sample, 0)
     with pytest.raises(ValueError, match="sample"):
         estimate_peak_memory(model, {"x": 3}, 4)
-    with pytest.raises(ValueError, match="step_fn"):
+    with pytest.raises(ValueError, match=r"needs batches of \(inputs, targets\).*loss_fn=lambda model, batch"):
         estimate_peak_memory(model, torch.randn(2, 64), 4)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        estimate_peak_memory(model, sample, 4, loss_fn=nn.CrossEntropyLoss(reduction="none"))
 
 
 def test_custom_step_fn_is_what_runs():

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pure import modules_loaded_alone
+
 from batchpilot.search import (
     FIT,
     OOM,
@@ -343,17 +345,11 @@ def test_run_search_max_trials():
     assert seq == [1, 2, 4] and res.batch_size == 4 and res.stop_reason == "max_trials"
 
 
-def test_search_module_does_not_import_torch():
-    # load search.py on its own: the package __init__ may import torch for other modules
-    path = __import__("batchpilot.search", fromlist=["search"]).__file__
-    probe = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('search_alone', {path!r})\n"
-        "mod = importlib.util.module_from_spec(spec); sys.modules['search_alone'] = mod\n"
-        "spec.loader.exec_module(mod)\n"
-        "assert 'torch' not in sys.modules, 'search.py imported torch'\n"
-        "print(mod.decay_batch_step(256))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("module", ["search", "policy", "_checks"])
+def test_pure_modules_do_not_import_torch(module):
+    out = modules_loaded_alone(module, then="print(mod.decay_batch_step(256))" if module == "search" else "")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "192"
+    lines = out.stdout.split()
+    assert lines[0] == "[]", f"{module} imported {lines[0]}"
+    if module == "search":
+        assert lines[1] == "192"

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-# rank and world-size lookup has one owner; distributed imports nothing from here (no cycle)
-from .distributed import world_size as _default_world_size
+from ._checks import check_int, positive_int
+from .ranks import world_size as _default_world_size
 
 __all__ = [
     "ADAPTIVE_NAME_MARKERS",
@@ -53,16 +53,6 @@ ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 #: optimizer from outside torch (LAMB, Adafactor, AdaBelief, Adan, ...). They are the
 #: substrings timm tests on the optimizer *name*, so ``auto`` agrees with timm's train.py.
 ADAPTIVE_NAME_MARKERS: tuple[str, ...] = ("ada", "lamb")
-
-
-def _check_positive_int(name: str, value: Any, extra: str = "") -> int:
-    """``value`` as an int >= 1; ``extra`` names other accepted values in the message (the engine's "auto")."""
-    # bool is an Integral, but True as a batch size is always a bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive int{extra}, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int{extra}, got {value}")
-    return int(value)
 
 
 def _multiples_around(n: int, step: int) -> list[int]:
@@ -120,10 +110,10 @@ class BatchConfig:
         world = (
             _default_world_size()
             if self.world_size is None
-            else _check_positive_int("world_size", self.world_size)
+            else positive_int("world_size", self.world_size)
         )
         given = {
-            name: _check_positive_int(name, getattr(self, name))
+            name: positive_int(name, getattr(self, name))
             for name in ("global_batch_size", "micro_batch_size", "accum_steps")
             if getattr(self, name) is not None
         }
@@ -235,10 +225,9 @@ def split_sizes(total: int, micro: int) -> list[int]:
     Raises:
         ValueError: ``total`` is negative or ``micro`` is not a positive int.
     """
-    micro = _check_positive_int("micro", micro)
-    if isinstance(total, bool) or not isinstance(total, numbers.Integral) or total < 0:
-        raise ValueError(f"total must be an int >= 0, got {total!r}")
-    full, rest = divmod(int(total), micro)
+    micro = positive_int("micro", micro)
+    total = check_int("total", total, minimum=0)
+    full, rest = divmod(total, micro)
     return [micro] * full + ([rest] if rest else [])
 
 
@@ -320,8 +309,8 @@ def scale_lr(
         or lr_base <= 0
     ):
         raise ValueError(f"lr_base must be a finite number > 0, got {lr_base!r}")
-    global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
-    lr_base_size = _check_positive_int("lr_base_size", lr_base_size)
+    global_batch_size = positive_int("global_batch_size", global_batch_size)
+    lr_base_size = positive_int("lr_base_size", lr_base_size)
     resolved = _resolve_rule(rule, optimizer)
     return float(lr_base) * _batch_factor(global_batch_size, lr_base_size, resolved)
 
@@ -365,8 +354,8 @@ def rescale_lr(
         ValueError: Unknown rule, a batch size not a positive int, or a scheduler that belongs to
             another optimizer.
     """
-    old_global = _check_positive_int("old_global", old_global)
-    new_global = _check_positive_int("new_global", new_global)
+    old_global = positive_int("old_global", old_global)
+    new_global = positive_int("new_global", new_global)
     resolved = _resolve_rule(rule, optimizer)
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler belongs to a different optimizer; pass the optimizer it drives")

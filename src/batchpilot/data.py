@@ -20,7 +20,6 @@ that does not divide by ``R`` is dropped. All ranks therefore get the same numbe
 from __future__ import annotations
 
 import logging
-import numbers
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,8 +27,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .distributed import known_rank
-from .distributed import world_size as _default_world_size
+from ._checks import check_int
+from .ranks import known_rank
+from .ranks import world_size as _default_world_size
 
 __all__ = ["ElasticBatchSampler", "ElasticLoader"]
 
@@ -40,15 +40,6 @@ _STATE_KEYS = frozenset(
     {"version", "epoch", "seed", "shuffle", "drop_last", "dataset_size", "num_replicas",
      "batch_size", "consumed"}
 )  # fmt: skip
-
-
-def _check_int(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
-    # bool is an Integral, but True as a size or rank is always a bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}){hint}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}{hint}")
-    return int(value)
 
 
 def _default_rank(num_replicas: int) -> int:
@@ -127,11 +118,11 @@ class ElasticBatchSampler(Sampler[list[int]]):
         rank: int | None = None,
     ) -> None:
         super().__init__()
-        self._dataset_size = _check_int(
+        self._dataset_size = check_int(
             "dataset_size", dataset_size, minimum=1, hint="; pass len(dataset) of a non-empty dataset"
         )
-        self._batch_size = _check_int("batch_size", batch_size, minimum=1)
-        self._seed = _check_int("seed", seed, minimum=-(2**63))
+        self._batch_size = check_int("batch_size", batch_size, minimum=1)
+        self._seed = check_int("seed", seed, minimum=-(2**63))
         if self._seed >= 2**63:
             # torch.Generator takes 64-bit seeds, and seed + epoch must stay one.
             raise ValueError(f"seed must be < 2**63, got {self._seed}")
@@ -139,10 +130,10 @@ class ElasticBatchSampler(Sampler[list[int]]):
         self._drop_last = bool(drop_last)
         if num_replicas is None:
             num_replicas = _default_world_size()
-        self._num_replicas = _check_int("num_replicas", num_replicas, minimum=1)
+        self._num_replicas = check_int("num_replicas", num_replicas, minimum=1)
         if rank is None:
             rank = _default_rank(self._num_replicas)
-        self._rank = _check_int("rank", rank, minimum=0, hint="; ranks count from 0")
+        self._rank = check_int("rank", rank, minimum=0, hint="; ranks count from 0")
         if self._rank >= self._num_replicas:
             raise ValueError(
                 f"rank {self._rank} is out of range for num_replicas {self._num_replicas}; "
@@ -220,7 +211,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         Raises:
             ValueError: ``batch_size`` is not a positive int.
         """
-        batch_size = _check_int("batch_size", batch_size, minimum=1)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
         if batch_size != self._batch_size:
             logger.debug("batch size %d -> %d", self._batch_size, batch_size)
         self._batch_size = batch_size
@@ -234,7 +225,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         Raises:
             ValueError: ``epoch`` is not an int >= 0.
         """
-        epoch = _check_int("epoch", epoch, minimum=0)
+        epoch = check_int("epoch", epoch, minimum=0)
         if epoch == self._epoch:
             return
         self._epoch = epoch
@@ -255,7 +246,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
             ValueError: ``num_batches`` is not a positive int, or exceeds the batches handed out
                 and not yet marked.
         """
-        num_batches = _check_int("num_batches", num_batches, minimum=1)
+        num_batches = check_int("num_batches", num_batches, minimum=1)
         if num_batches > len(self._pending):
             raise ValueError(
                 f"mark_consumed({num_batches}) but only {len(self._pending)} batch(es) were handed "
@@ -351,15 +342,15 @@ class ElasticBatchSampler(Sampler[list[int]]):
                     f"and repeat samples. Construct the sampler with {key}={state[key]!r}, or "
                     "start a fresh epoch without loading this state"
                 )
-        epoch = _check_int("state['epoch']", state["epoch"], minimum=0)
-        saved_replicas = _check_int("state['num_replicas']", state["num_replicas"], minimum=1)
-        consumed = _check_int("state['consumed']", state["consumed"], minimum=0)
+        epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        saved_replicas = check_int("state['num_replicas']", state["num_replicas"], minimum=1)
+        consumed = check_int("state['consumed']", state["consumed"], minimum=0)
         if consumed > self._dataset_size:
             raise ValueError(
                 f"state['consumed']={consumed} exceeds dataset_size {self._dataset_size}; "
                 "the state is corrupt"
             )
-        saved_batch = _check_int("state['batch_size']", state["batch_size"], minimum=1)
+        saved_batch = check_int("state['batch_size']", state["batch_size"], minimum=1)
         if saved_replicas == self._num_replicas:
             self._batch_size = saved_batch
         elif saved_batch != self._batch_size:
@@ -489,10 +480,6 @@ class ElasticLoader:
     @property
     def sampler(self) -> ElasticBatchSampler:
         return self._sampler
-
-    @property
-    def dataloader(self) -> DataLoader:
-        return self._loader
 
     def __len__(self) -> int:
         """Batches the next iteration yields at the current batch size (see the sampler)."""

@@ -59,17 +59,20 @@ import logging
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 from torch import nn
 
 from .batching import BatchConfig, split_sizes
-from .batching import _check_positive_int as _positive_int
+from ._checks import positive_int as _positive_int
 from .coordinator import Coordinator, LocalCoordinator
 from .find import BatchPlan, find_batch_size
 from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
-from .microbatch import BatchSplitter, as_loss_fn
+from .amp import amp_dtype as _amp_dtype
+from .amp import autocast
+from .batch import BatchLayout, BatchSplitter, SplitFn
+from .loss import as_loss_fn, parse_loss
 from .oom import attempt
 from .policy import MicroBatchPolicy, PeakFit, accum_steps
 
@@ -89,7 +92,6 @@ except ImportError:  # not on Windows
 
 logger = logging.getLogger(__name__)
 
-_AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 # 2: global_batch_size is the global batch over all ranks and world_size is stored; in 1 it
 # was the per-rank batch (which is all that loading uses of it).
 _STATE_VERSION = 2
@@ -159,7 +161,10 @@ class StepResult:
         measured: ``peak_bytes`` is exact (accelerator, or CPU inside a storage tracker);
             otherwise it is the process's peak resident set size so far (``getrusage``).
         seconds: wall time of the step (host time; the device may still be running).
-        skipped: fp16 only: the ``GradScaler`` skipped the optimizer step (inf/NaN gradients).
+        skipped: the optimizer step was skipped (see ``skip_reason``); the scheduler did not step.
+        skip_reason: ``None``; ``"inf"``: fp16's ``GradScaler`` found inf/NaN gradients;
+            ``"empty"``: a ``(sum, count)`` loss counted 0 elements over the whole global batch
+            (all padding), so there was nothing to average (``loss`` is then nan).
         pressure: the peak the next micro-batch was decided on (see the module docstring) was
             above the high-water mark, or the CUDA allocator retried.
         next_micro_batch_size: the micro-batch the next step starts with.
@@ -175,6 +180,7 @@ class StepResult:
     measured: bool
     seconds: float
     skipped: bool = False
+    skip_reason: str | None = None
     pressure: bool = False
     next_micro_batch_size: int = 0
     grad_norm: torch.Tensor | None = None
@@ -220,7 +226,11 @@ class Engine:
         scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
             optimizer step (not on skipped fp16 steps). Checkpoint it yourself.
         coordinator: agreement with other ranks, and the world size; default
-            :class:`LocalCoordinator` (one rank).
+            :class:`~batchpilot.distributed.DistributedCoordinator` when a process group of
+            several ranks is initialised (``torchrun``), else :class:`LocalCoordinator`.
+        shared: dict keys of the batch that are the same for every sample (see
+            :mod:`batchpilot.batch`); they go whole to every micro-batch.
+        split_fn: ``split_fn(batch, start, stop)`` cutting a batch into micro-batches your way.
         config: adaptive knobs, see :class:`EngineConfig`.
 
     Attributes:
@@ -253,9 +263,12 @@ class Engine:
         scheduler: Any = None,
         coordinator: Coordinator | None = None,
         config: EngineConfig | None = None,
+        shared: str | Iterable[str] | None = None,
+        split_fn: SplitFn | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
-        self.coordinator: Coordinator = coordinator if coordinator is not None else LocalCoordinator()
+        self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator()
+        self.layout = BatchLayout.of(shared, split_fn)
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
         self._per_rank = _per_rank_batch(self._global, self._world)
@@ -322,10 +335,11 @@ class Engine:
         self._apply_peak = 0
         if self._ddp and self._world == 1 and _dist_world_size() > 1:
             logger.warning(
-                "DDP over %d ranks with the LocalCoordinator: an OOM on one rank is not agreed on, "
-                "(sum, count) losses are normalised per rank, and global_batch_size=%d counts one "
-                "rank's samples (the true global batch is %d); pass batchpilot.distributed's "
-                "coordinator", _dist_world_size(), self._global, self._global * _dist_world_size(),
+                "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
+                "is not agreed on, (sum, count) losses are normalised per rank, and "
+                "global_batch_size=%d is what each rank trains (%d in all); leave coordinator= out "
+                "to get batchpilot.distributed.DistributedCoordinator", _dist_world_size(), self._global,
+                self._global * _dist_world_size(),
             )
 
     # ------------------------------------------------------------------ public
@@ -347,7 +361,7 @@ class Engine:
                 smaller micro-batch would not shrink it.
         """
         t0 = time.perf_counter()
-        split = BatchSplitter(batch)
+        split = BatchSplitter(batch, self.layout)
         n = split.size
         if n > self._per_rank:
             raise ValueError(self._too_large(n))
@@ -391,7 +405,7 @@ class Engine:
             if measured:
                 attempt_peak = probe.peak()
                 probe.reset_peak()
-            grad_norm, skipped = self._apply(acc)
+            grad_norm, skip_reason = self._apply(acc)
         except BaseException:
             self._drop_grads()
             raise
@@ -410,7 +424,8 @@ class Engine:
             peak_bytes=int(peak),
             measured=measured,
             seconds=time.perf_counter() - t0,
-            skipped=skipped,
+            skipped=skip_reason is not None,
+            skip_reason=skip_reason,
             pressure=pressure,
             next_micro_batch_size=self.micro_batch_size,
             grad_norm=grad_norm,
@@ -582,7 +597,7 @@ class Engine:
         def trial(b: int) -> None:
             # the module inside a DDP wrapper: no hook, no all-reduce, so ranks may run different
             # trials (a trial through the wrapper would synchronise with whatever the others run)
-            self._accumulate(BatchSplitter(split.slice(0, b)), b, use_scaler=False, model=inner)
+            self._accumulate(BatchSplitter(split.slice(0, b), self.layout), b, use_scaler=False, model=inner)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -643,7 +658,7 @@ class Engine:
             with model.no_sync() if quiet else contextlib.nullcontext():
                 with self._autocast():
                     out = self.loss_fn(model, mb)
-                loss, c, kind = _parse_loss(out)
+                loss, c, kind = parse_loss(out)
                 if mode is None:
                     mode = kind
                 elif kind != mode:
@@ -668,15 +683,25 @@ class Engine:
         assert total is not None and mode is not None
         return _Accumulated(loss=total, count=count, mode=mode, sizes=sizes)
 
-    def _apply(self, acc: _Accumulated) -> tuple[torch.Tensor | None, bool]:
-        """Synchronise and normalise the accumulated gradients, then step the optimizer once."""
+    def _apply(self, acc: _Accumulated) -> tuple[torch.Tensor | None, str | None]:
+        """Synchronise and normalise the accumulated gradients, then step the optimizer once.
+
+        Returns the gradient norm (when clipping) and why the optimizer step was skipped, if it was.
+        """
         coord = self.coordinator
         if coord.defer_grad_sync:
             coord.sync_gradients(self.model)
         if acc.mode == "sum":
             total = coord.total_count(acc.count)
-            if isinstance(total, numbers.Real) and total <= 0:
-                raise ValueError(f"the (sum, count) loss counted {total} elements in the whole batch; nothing to average")
+            # a tensor count must be read to tell an empty batch: one sync per step, (sum, count) only
+            if float(total) <= 0:
+                # every element was padding on every rank: no gradient to average, so no step,
+                # rather than 0 / 0 written into the parameters
+                self.optimizer.zero_grad(set_to_none=True)
+                acc.loss = torch.full_like(acc.loss, float("nan"))
+                logger.warning("step %d: the (sum, count) loss counted no element in the whole global batch "
+                               "(all padding?); the optimizer step is skipped", self.steps + 1)
+                return None, "empty"
             grads = [p.grad for p in self._params if p.grad is not None]
             # DDP averaged over ranks; world × N / total undoes that and divides by the global count.
             factor = self._world * self._per_rank / total
@@ -706,12 +731,10 @@ class Engine:
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, skipped
+        return grad_norm, "inf" if skipped else None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return autocast(self.device.type, self.amp_dtype)
 
     def _drop_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -868,39 +891,6 @@ def _per_rank_batch(global_batch_size: int, world_size: int) -> int:
     return global_batch_size // world_size
 
 
-def _parse_loss(out: Any) -> tuple[torch.Tensor, Any, str]:
-    if isinstance(out, torch.Tensor):
-        loss, count, kind = out, None, "mean"
-    elif isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        loss, count, kind = out[0], out[1], "sum"
-        if not isinstance(count, (numbers.Real, torch.Tensor)) or isinstance(count, bool):
-            raise ValueError(f"the count in a (sum, count) loss must be a number or a tensor, got {type(count).__name__}")
-    else:
-        raise ValueError(
-            "loss_fn must return the micro-batch's mean loss as a 0-dim tensor, or a (sum, count) "
-            f"pair; got {type(out).__name__}"
-        )
-    if loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn returned a loss of shape {tuple(loss.shape)}, not a scalar; reduce it "
-            "(loss.mean(), or return (loss.sum(), count) for a per-element average)"
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not require grad: was it computed under torch.no_grad(), from "
-            "detached outputs, or with every parameter frozen?"
-        )
-    return loss, count, kind
-
-
-def _amp_dtype(amp: str | torch.dtype | None) -> torch.dtype | None:
-    if amp is None or isinstance(amp, torch.dtype) and amp in (torch.bfloat16, torch.float16):
-        return amp
-    if isinstance(amp, str) and amp.lower() in _AMP_DTYPES:
-        return _AMP_DTYPES[amp.lower()]
-    raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
-
-
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -928,6 +918,21 @@ def _host_peak_rss() -> int:
     if resource is None:  # Windows
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _default_coordinator() -> Coordinator:
+    """The distributed coordinator when a process group of several ranks is running, else the local one.
+
+    Without it each rank of a ``torchrun`` job would train the whole global batch and average
+    nothing: the silent world of one.
+    """
+    if _dist_world_size() > 1:
+        # imported here: distributed is the layer above the engine
+        from .distributed import DistributedCoordinator
+
+        logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())
+        return DistributedCoordinator()
+    return LocalCoordinator()
 
 
 def _dist_world_size() -> int:

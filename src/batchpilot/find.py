@@ -14,15 +14,18 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
+from ._checks import positive_int
 from .amp import amp_dtype as _amp_dtype
+from .amp import autocast
+from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
+from .loss import LossFn, as_loss_fn, forward_only, parse_loss
 from .memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from .oom import attempt
 from .search import (
@@ -90,22 +93,18 @@ class FinderConfig:
                 raise BatchSizeError(str(exc)) from exc
         if not isinstance(self.strategy, SearchPolicy) and self.strategy not in STRATEGIES:
             raise BatchSizeError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if self.min_batch_size < 1:
-            raise BatchSizeError(f"min_batch_size must be at least 1, got {self.min_batch_size}")
+        for name in ("min_batch_size", "steps_per_trial", "max_trials"):
+            positive_int(name, getattr(self, name), error=BatchSizeError)
+        for name in ("max_batch_size", "first_guess"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name), error=BatchSizeError)
         if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
             raise BatchSizeError(
                 f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
                 "lower min_batch_size or raise max_batch_size (e.g. to the dataset length)"
             )
-        if self.steps_per_trial < 1:
-            raise BatchSizeError(
-                f"steps_per_trial must be at least 1, got {self.steps_per_trial}; "
-                "2 puts lazily created optimizer state inside the measured peak"
-            )
-        if self.first_guess is not None and self.first_guess < 1:
-            raise BatchSizeError(f"first_guess must be at least 1, got {self.first_guess}")
-        if self.max_trials < 1:
-            raise BatchSizeError(f"max_trials must be at least 1, got {self.max_trials}")
+        if not isinstance(self.progress, bool):
+            raise BatchSizeError(f"progress must be True or False, got {self.progress!r}")
 
 
 @dataclass(kw_only=True)
@@ -392,122 +391,59 @@ def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device,
 # convenience front
 
 
-def make_batch_fn(batch: Any) -> Callable[[int], Any]:
-    """A function ``b -> batch of size b`` built from an example batch.
-
-    ``batch`` is a tensor or a pytree (tuple, list, dict) of tensors sharing
-    their first dimension n; a batch of size b takes rows ``0, 1, …, b-1``
-    modulo n of every such tensor (``index_select``, so it owns exactly b rows
-    and its memory counts like a freshly loaded batch). Other leaves pass
-    through. A callable is returned unchanged.
-
-    Raises:
-        ValueError: no tensor with a batch dimension, or tensors disagree on it.
-    """
-    if callable(batch) and not isinstance(batch, torch.Tensor):
-        return batch
-    leaves, spec = tree_flatten(batch)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            "the example batch needs tensors that share their first (batch) dimension, got sizes "
-            f"{sorted(sizes) or 'none'}; pass a function batch_size -> batch instead"
-        )
-    n = sizes.pop()
-
-    def make(b: int) -> Any:
-        out = []
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                idx = torch.arange(b, device=t.device).remainder_(n)
-                t = t.index_select(0, idx)
-            out.append(t)
-        return tree_unflatten(out, spec)
-
-    return make
-
-
-def _call_model(model: nn.Module, inputs: Any) -> Any:
-    return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
-
-
-def _default_forward(mode: str, loss_fn: Callable[..., torch.Tensor] | None) -> Callable[[nn.Module, Any], Any]:
-    def forward(model: nn.Module, batch: Any) -> Any:
-        pair = isinstance(batch, (tuple, list)) and len(batch) == 2
-        if mode == "eval":
-            return _call_model(model, batch[0] if pair else batch)
-        if not pair:
-            raise ValueError(
-                "mode='train' without forward= needs batches of (inputs, targets); "
-                "pass forward=lambda model, batch: loss for other layouts"
-            )
-        return loss_fn(_call_model(model, batch[0]), batch[1])
-
-    return forward
-
-
-def _autocast(device_type: str, amp_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    return torch.autocast(device_type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-
-
 def find_batch_size_for(
     model: nn.Module,
     batch: Any,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
+    loss_fn: Any = None,
     mode: Literal["train", "eval"] = "train",
-    forward: Callable[[nn.Module, Any], Any] | None = None,
     amp: str | torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     restore: Iterable[Any] | None = None,
     plan_first: bool = False,
+    shared: str | Iterable[str] | None = None,
+    split_fn: SplitFn | None = None,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
     amp_dtype: torch.dtype | None = None,
     **options: Any,
 ) -> BatchPlan:
     """Find the batch size for a model without writing the step.
 
-    ``mode="train"`` runs ``optimizer.zero_grad(set_to_none=True)``, the
-    forward and loss, ``backward`` and ``optimizer.step()`` (through ``scaler``
-    when given). ``mode="eval"`` runs the forward alone under
-    ``torch.inference_mode()`` with the model in eval mode, which fits far
-    larger batches. The default forward takes ``(inputs, targets)`` batches:
-    ``loss_fn(model(inputs), targets)``; a dict of inputs is passed as keywords.
+    The step is the engine's: ``loss_fn(model, batch)`` returning the mean loss or a
+    ``(sum, count)`` pair (divided out before ``backward``), or a torch criterion applied as
+    ``criterion(model(inputs), targets)`` to ``(inputs, targets)`` batches; any batch of
+    :mod:`batchpilot.batch`'s rules (dicts of tensors, per-sample lists, ``shared`` keys).
+    ``mode="train"`` runs ``optimizer.zero_grad(set_to_none=True)``, the loss, ``backward``
+    and ``optimizer.step()`` (through ``scaler`` when given); ``mode="eval"`` runs the
+    forward alone under ``torch.inference_mode()`` with the model in eval mode.
 
-    With ``plan_first=True`` one planning pass on fake tensors
-    (:func:`batchpilot.plan.plan_batch_size`, same step, capacity and target)
-    picks the first real trial, which the search then verifies on the device:
-    when the plan is right that is two trials (b fits, b + 1 does not) and no
-    OOM. It pays where real trials are dear (a GPU); on a CPU the fake runs
-    can take longer than the small real trials they save. A step that cannot
-    be planned (``.item()``, data-dependent shapes, custom operators without a
-    meta kernel) is searched without the seed, as is one the plan says does
-    not fit at all; the reason is logged at INFO.
+    With ``plan_first=True`` one planning pass on fake tensors picks the first real trial,
+    which the search then verifies (two trials when the plan is right). It pays where real
+    trials are dear (a GPU); a step that cannot be planned is searched unseeded (logged).
 
     Args:
-        model: the model, already on its device (which is the one measured
-            unless ``device=`` is passed).
-        batch: an example batch (see :func:`make_batch_fn`) or a function
-            ``batch_size -> batch``.
+        model: the model, already on its device (the one measured unless ``device=`` is given).
+        batch: an example batch (samples repeated up to any size) or a function
+            ``batch_size -> batch``; moved to the device per trial.
         optimizer: required for ``mode="train"``.
-        loss_fn: ``loss_fn(outputs, targets)``; required for training with the
-            default forward.
+        loss_fn: ``loss_fn(model, batch)`` or a criterion; required for training.
         mode: ``"train"`` or ``"eval"``.
-        forward: ``forward(model, batch)`` returning the loss (train) or the
-            outputs (eval), for batches of another layout.
-        amp: ``"bf16"`` / ``"fp16"`` (or a dtype): run the forward under ``torch.autocast``.
-        amp_dtype: deprecated spelling of ``amp``.
+        amp: ``"bf16"`` / ``"fp16"`` (or a dtype): the forward under ``torch.autocast``.
         scaler: a ``GradScaler`` for fp16 training.
         restore: what to snapshot and restore; default the model, optimizer and scaler.
-        plan_first: seed the search with the planner's answer (``first_guess``);
-            the result's ``seeded_by`` is ``"plan"`` when it was used.
-        **options: any keyword of :func:`find_batch_size` (``target``,
-            ``capacity``, ``strategy``, ``max_batch_size``, …).
+        plan_first: seed the search with the planner's answer (``seeded_by == "plan"``).
+        shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.batch`).
+        split_fn: ``split_fn(batch, start, stop)`` cutting the example batch yourself; the
+            search then stays within the example's size.
+        forward: deprecated: pass the same function as ``loss_fn``.
+        amp_dtype: deprecated spelling of ``amp``.
+        **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
 
     Raises:
-        ValueError: unknown mode, or training without an optimizer or loss.
-        BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a
-            ``first_guess`` (raised before any planning or trial).
+        ValueError: unknown mode, training without an optimizer or loss, a criterion with
+            ``reduction='none'``, or an example batch the rules cannot read.
+        BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a ``first_guess``.
         NothingFitsError: as :func:`find_batch_size`.
     """
     if mode not in ("train", "eval"):
@@ -516,42 +452,47 @@ def find_batch_size_for(
         warnings.warn("find_batch_size_for(amp_dtype=) is deprecated; pass amp='bf16' / 'fp16'",
                       DeprecationWarning, stacklevel=2)
         amp = amp if amp is not None else amp_dtype
-    amp_dtype = _amp_dtype(amp)
+    if forward is not None:
+        warnings.warn("find_batch_size_for(forward=) is deprecated; pass the same function as "
+                      "loss_fn=lambda model, batch: loss", DeprecationWarning, stacklevel=2)
+        if loss_fn is not None:
+            raise ValueError("pass loss_fn or forward, not both: they are the same function")
+        loss_fn = forward
+    dtype = _amp_dtype(amp)
     if mode == "train" and optimizer is None:
         raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
-    if mode == "train" and forward is None and loss_fn is None:
-        raise ValueError("mode='train' needs loss_fn (or forward=lambda model, batch: loss)")
-    make = make_batch_fn(batch)
-    fwd = forward or _default_forward(mode, loss_fn)
+    if mode == "train" and loss_fn is None:
+        raise ValueError("mode='train' needs loss_fn: loss_fn(model, batch) -> loss | (sum, count), or a criterion")
+    loss = as_loss_fn(loss_fn) if loss_fn is not None else None
+    layout = BatchLayout.of(shared, split_fn)
+    make = make_batch_fn(batch, layout)
+    if layout is not None and layout.split_fn is not None and not callable(batch):
+        most = batch_size_of(batch, layout)
+        if options.get("max_batch_size") is None or options["max_batch_size"] > most:
+            logger.info("split_fn cuts the example batch: searching up to its %d samples", most)
+            options["max_batch_size"] = most
     params = list(model.parameters())
     device = options.pop("device", params[0].device if params else None)
     dev = resolve_device(device)
     targets = list(restore) if restore is not None else [model, optimizer, scaler]
+    step = _train_step(model, optimizer, loss, dtype, scaler, dev) if mode == "train" else None
     seed = None
     if plan_first:
         if options.get("first_guess") is not None:
             raise BatchSizeError("pass first_guess or plan_first=True, not both: the plan is a first guess")
         cfg = FinderConfig(**options)  # bad options fail here, before the planning pass
-        seed = _plan_seed(model, batch, optimizer=optimizer, forward=fwd, mode=mode, amp_dtype=amp_dtype,
-                          cfg=cfg, device=dev)
+        seed = _plan_seed(model, batch, optimizer=optimizer, loss_fn=loss, mode=mode, amp=dtype,
+                          layout=layout, cfg=cfg, device=dev)
         options["first_guess"] = seed.batch_size
 
     def train_step(b: int) -> None:
-        data = make(b)
-        optimizer.zero_grad(set_to_none=True)
-        with _autocast(dev.type, amp_dtype):
-            loss = fwd(model, data)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        step(to_device(make(b), dev))
+
+    fwd = forward_only(loss)
 
     def eval_step(b: int) -> None:
-        data = make(b)
-        with torch.inference_mode(), _autocast(dev.type, amp_dtype):
+        data = to_device(make(b), dev)
+        with torch.inference_mode(), autocast(dev.type, dtype):
             fwd(model, data)
 
     if mode == "eval":
@@ -569,6 +510,31 @@ def find_batch_size_for(
         plan.seconds += seed.seconds
         plan.seeded_by = "plan" if seed.batch_size is not None else None
     return plan
+
+
+def _train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn, dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler | None, device: torch.device,
+) -> Callable[[Any], None]:
+    """One optimizer step on a batch, by the engine's loss convention (a ``(sum, count)`` loss is averaged)."""
+
+    def run(data: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(device.type, dtype):
+            out = loss_fn(model, data)
+        loss, count, kind = parse_loss(out)
+        if kind == "sum":
+            # an all-padding batch counts 0: its gradients are 0, not NaN
+            loss = loss / (count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1))
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+    return run
 
 
 # ---------------------------------------------------------------------------
@@ -630,22 +596,21 @@ def _plan_seed(
     batch: Any,
     *,
     optimizer: torch.optim.Optimizer | None,
-    forward: Callable[[nn.Module, Any], Any],
+    loss_fn: LossFn | None,
     mode: str,
-    amp_dtype: torch.dtype | None,
+    amp: torch.dtype | None,
+    layout: BatchLayout | None,
     cfg: FinderConfig,
     device: torch.device,
 ) -> _Seed:
     """One planning pass for the limit the finder will measure against.
 
-    The planner runs the finder's own step (same forward, ``steps_per_trial``
-    steps; a GradScaler's few scalar tensors are left out) and solves for
-    ``target × capacity`` less the example batch the finder keeps on the
-    device (see :func:`_pool_storage_bytes`), so that on CPU its answer is the
-    finder's byte for byte. On CUDA it predicts ``max_memory_allocated``
-    (allocator rounding and cuBLAS workspaces, no context); memory held by
-    anything else on the device is not in the plan and is left to the
-    verification.
+    The planner runs the finder's own step (same loss, ``steps_per_trial`` steps; a
+    GradScaler's few scalar tensors are left out) and solves for ``target × capacity`` less
+    the example batch the finder keeps on the device (see :func:`_pool_storage_bytes`), so
+    that on CPU its answer is the finder's byte for byte. On CUDA it predicts
+    ``max_memory_allocated`` (allocator rounding and cuBLAS workspaces, no context); memory
+    held by anything else on the device is not in the plan and is left to the verification.
     """
     # imported here: fake tensors and the GPU tables are needed only when a plan is asked for
     from .plan import PlanningError, plan_batch_size
@@ -659,24 +624,13 @@ def _plan_seed(
         logger.info("plan_first: the example batch alone (%s) fills the limit %s; searching unseeded",
                     format_bytes(pool), format_bytes(limit))
         return _Seed(batch_size=None, seconds=time.perf_counter() - started)
-
-    def step(m: nn.Module, opt: torch.optim.Optimizer | None, data: Any) -> None:
-        # fake tensors are CPU tensors whatever the device: autocast must name the CPU
-        if mode == "eval":
-            with torch.no_grad(), _autocast("cpu", amp_dtype):
-                forward(m, data)
-            return
-        opt.zero_grad(set_to_none=True)
-        with _autocast("cpu", amp_dtype):
-            loss = forward(m, data)
-        loss.backward()
-        opt.step()
-
     try:
         plan = plan_batch_size(
             model, batch, capacity=limit - pool, target=1.0, optimizer=optimizer if mode == "train" else None,
-            step_fn=step, steps=cfg.steps_per_trial, mode=mode, device="cpu" if accounting is None else "cuda",
-            accounting=accounting, max_batch_size=cfg.max_batch_size or 1 << 20,
+            loss_fn=loss_fn, amp=amp, steps=cfg.steps_per_trial, mode=mode,
+            device="cpu" if accounting is None else "cuda", accounting=accounting,
+            max_batch_size=cfg.max_batch_size or 1 << 20,
+            shared=None if layout is None else layout.shared,
         )
     except PlanningError as exc:
         logger.info("plan_first: searching unseeded, the step cannot be planned: %s", exc)

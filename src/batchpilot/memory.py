@@ -498,10 +498,6 @@ class PeakMeasurement:
     capacity: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def peak_increase(self) -> int:
-        return self.peak_bytes - self.start_bytes
-
 
 @contextlib.contextmanager
 def track_peak(device: torch.device | str | int | None = None, *, track: Iterable[Any] = ()) -> Iterator[PeakMeasurement]:

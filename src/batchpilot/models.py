@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MLP", "SmallCNN", "TransformerBlockModel", "build_model", "example_batch", "MODEL_NAMES"]
+__all__ = [
+    "MLP", "SmallCNN", "TransformerBlockModel", "TinyGPT", "lm_loss", "padded_lm_batch",
+    "build_model", "example_batch", "MODEL_NAMES",
+]
 
 
 class MLP(nn.Module):
@@ -71,6 +74,79 @@ class TransformerBlockModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
         return self.head(self.blocks(h).mean(dim=1))
+
+
+class _CausalBlock(nn.Module):
+    """Pre-norm block with plain (unfused) causal self-attention: its scores are ``B × heads × L × L``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+        att = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        h = h + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp(self.norm2(h))
+
+
+class TinyGPT(nn.Module):
+    """A small causal language model taking Hugging Face style keyword inputs.
+
+    ``model(input_ids=(B, L), attention_mask=(B, L) or None) -> logits (B, L, vocab)``; the
+    attention is written out (not fused), so its memory has the ``B × L²`` term of a real LM
+    without a fused kernel. The output head is tied to the token embedding.
+    """
+
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 2, max_len: int = 512) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(_CausalBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        for emb in (self.embed, self.pos):  # GPT-2's scale; N(0, 1) makes the tied logits huge
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t = input_ids.shape
+        h = self.embed(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        mask = mask.expand(b, 1, t, t)
+        if attention_mask is not None:  # padded keys are never attended to
+            mask = mask & attention_mask.bool()[:, None, None, :]
+        mask = mask | torch.eye(t, dtype=torch.bool, device=input_ids.device)  # a pad row still attends to itself
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.norm(h) @ self.embed.weight.t()
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross entropy as ``(sum, count)`` over the labels that are not -100 (padding)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    labels = batch["labels"][:, 1:]
+    total = nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return total, (labels != -100).sum()
+
+
+def padded_lm_batch(lengths: list[int], *, vocab: int = 256, generator: torch.Generator | None = None,
+                    pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """A right-padded LM batch (``input_ids``, ``attention_mask``, ``labels`` with -100 at pads).
+
+    Padded to the longest of ``lengths`` (or ``pad_to``), as a collate function pads each batch.
+    """
+    width = max(lengths) if pad_to is None else pad_to
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=generator)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    ids = ids.masked_fill(~mask, 0)
+    return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
 
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")

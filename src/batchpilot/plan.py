@@ -45,7 +45,10 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .amp import amp_dtype, autocast
+from .batch import BatchLayout, BatchSplitter
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
+from .loss import as_loss_fn, forward_only, parse_loss
 from .memory import format_bytes, parse_bytes
 
 __all__ = [
@@ -61,7 +64,6 @@ logger = logging.getLogger(__name__)
 
 StepFn = Callable[[nn.Module, "torch.optim.Optimizer | None", Any], Any]
 
-_AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MODES = ("train", "eval")
 _DEVICES = ("cpu", "cuda")
 _FAKE_UNSUPPORTED = (
@@ -155,51 +157,43 @@ def default_step(
     optimizer: torch.optim.Optimizer | None,
     batch: Any,
     *,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    amp: Literal["bf16", "fp16"] | None = None,
+    loss_fn: Any = None,
+    amp: str | torch.dtype | None = None,
     mode: Literal["train", "eval"] = "train",
 ) -> None:
-    """The step the planner runs unless given ``step_fn``; use it for real runs to compare.
+    """The step the planner runs unless given ``step_fn``: the finder's and the engine's step.
 
-    Training: ``zero_grad(set_to_none=True)``, forward and loss (under autocast
-    when ``amp`` is set), backward, ``optimizer.step()``. ``batch`` is
-    ``(inputs, targets)``, the loss ``loss_fn(model(inputs), targets)``
-    (default: cross entropy). Inference (``mode="eval"``): ``model(inputs)``
-    under ``torch.no_grad()``; ``batch`` is the inputs or ``(inputs, targets)``.
+    Training: ``zero_grad(set_to_none=True)``, ``loss_fn(model, batch)`` (under autocast when
+    ``amp`` is set; a ``(sum, count)`` loss is divided out), backward, ``optimizer.step()``.
+    ``loss_fn`` follows :mod:`batchpilot.loss`; ``None`` is cross entropy on ``(inputs,
+    targets)`` batches. Inference (``mode="eval"``): the forward alone under ``torch.no_grad()``.
 
     Raises:
-        ValueError: a training batch that is not an ``(inputs, targets)`` pair.
+        ValueError: a batch the loss cannot read (e.g. a dict with a criterion), or a loss that
+            is not a scalar.
     """
-    pair = isinstance(batch, (tuple, list)) and len(batch) == 2
-    inputs = batch[0] if pair else batch
-    autocast = _autocast(inputs, amp)
+    loss_fn = as_loss_fn(F.cross_entropy if loss_fn is None else loss_fn)
+    ctx = autocast(_device_type(batch), amp_dtype(amp))
     if mode == "eval":
-        with torch.no_grad(), autocast:
-            model(inputs)
+        with torch.no_grad(), ctx:
+            forward_only(loss_fn)(model, batch)
         return
-    if not pair:
-        raise ValueError(
-            "the default training step needs a batch (inputs, targets); for other batches pass "
-            "step_fn=lambda model, optimizer, batch: ... that runs your step"
-        )
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
-    with autocast:
-        loss = (loss_fn or F.cross_entropy)(model(inputs), batch[1])
+    with ctx:
+        loss, count, kind = parse_loss(loss_fn(model, batch))
+    if kind == "sum":
+        loss = loss / (count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1))
     loss.backward()
     if optimizer is not None:
         optimizer.step()
 
 
-def _autocast(inputs: Any, amp: str | None) -> contextlib.AbstractContextManager:
-    dtype = _AMP_DTYPES[amp]
-    if dtype is None:
-        return contextlib.nullcontext()
-    leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-    device_type = leaves[0].device.type if leaves else "cpu"
-    return torch.autocast(device_type, dtype=dtype)
+def _device_type(batch: Any) -> str:
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return leaves[0].device.type if leaves else "cpu"
 
 
 # ---------------------------------------------------------------------------
@@ -433,13 +427,16 @@ class _FakeSetup:
                     g["foreach"] = True
         return fake_opt
 
-    def batch(self, sample: Any, batch_size: int) -> Any:
-        """A fake batch of ``batch_size`` rows shaped like ``sample`` (or made by it)."""
+    def batch(self, sample: Any, batch_size: int, layout: BatchLayout | None = None) -> Any:
+        """A fake batch of ``batch_size`` samples shaped like ``sample`` (or made by it)."""
         with self.fake_mode:
             if callable(sample):
                 made = sample(batch_size)
             else:
-                made = tree_map(lambda t: _fake_rows(t, batch_size), sample)
+                made = BatchSplitter(sample, layout).map_rows(
+                    lambda t: _fake_rows(t, batch_size),
+                    seq=lambda items: type(items)(items[i % len(items)] for i in range(batch_size)),
+                )
         return tree_map(
             lambda t: self.fake_mode.from_tensor(t)
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t,
@@ -458,15 +455,16 @@ def _fake_rows(t: Any, batch_size: int) -> Any:
     return torch.empty(shape, dtype=t.dtype, device="cpu", memory_format=fmt).requires_grad_(t.requires_grad)
 
 
-def _check_sample(sample: Any) -> None:
+def _check_sample(sample: Any, layout: BatchLayout | None) -> None:
     if callable(sample):
         return
-    tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
-    if not any(t.dim() >= 1 for t in tensors):
+    try:
+        BatchSplitter(sample, layout)
+    except ValueError as exc:
         raise ValueError(
-            "sample must be an example batch (tensors with the batch on dim 0, e.g. (inputs, targets)) "
-            "or a callable batch_size -> batch"
-        )
+            f"sample must be an example batch (samples on dim 0, e.g. (inputs, targets)) or a callable "
+            f"batch_size -> batch: {exc}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -476,28 +474,31 @@ def _check_sample(sample: Any) -> None:
 @dataclass(kw_only=True)
 class _Config:
     sample: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    loss_fn: Any
     step_fn: StepFn | None
     steps: int
     mode: str
-    amp: str | None
+    amp: Any
     device: str
     accounting: CudaAccounting | None
+    layout: BatchLayout | None = None
 
     def __post_init__(self) -> None:
+        if self.step_fn is None:
+            # the one convention (batchpilot.loss); a bad criterion fails here, before any fake run
+            self.loss_fn = as_loss_fn(F.cross_entropy if self.loss_fn is None else self.loss_fn)
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1 (2 or more so that optimizer state counts), got {self.steps}")
         if self.mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {self.mode!r}")
-        if self.amp not in _AMP_DTYPES:
-            raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {self.amp!r}")
+        amp_dtype(self.amp)  # raises with the accepted values
         if self.device not in _DEVICES:
             raise ValueError(f"device must be 'cpu' or 'cuda' (the accounting to apply), got {self.device!r}")
         if self.accounting is not None and self.device != "cuda":
             raise ValueError("accounting applies to device='cuda' only")
         if self.device == "cuda" and self.accounting is None:
             self.accounting = CudaAccounting()
-        _check_sample(self.sample)
+        _check_sample(self.sample, self.layout)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> None:
         if self.step_fn is not None:
@@ -522,7 +523,7 @@ def _measure(setup: _FakeSetup, cfg: _Config, batch_size: int) -> MemoryEstimate
     handles = []
     try:
         optimizer = setup.new_optimizer()
-        batch = setup.batch(cfg.sample, batch_size)
+        batch = setup.batch(cfg.sample, batch_size, cfg.layout)
         if allocator is not None:
             # cuBLAS workspaces are allocated on the first matrix product and kept.
             for i in range(acc.handles(cfg.mode == "train")):
@@ -578,13 +579,14 @@ def estimate_peak_memory(
     batch_size: int,
     *,
     optimizer: Any = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    loss_fn: Any = None,
     step_fn: StepFn | None = None,
     steps: int = 2,
     mode: Literal["train", "eval"] = "train",
-    amp: Literal["bf16", "fp16"] | None = None,
+    amp: str | torch.dtype | None = None,
     device: Literal["cpu", "cuda"] = "cpu",
     accounting: CudaAccounting | None = None,
+    shared: str | Iterable[str] | None = None,
 ) -> MemoryEstimate:
     """Peak memory of ``steps`` training steps at ``batch_size``, without running them for real.
 
@@ -598,11 +600,15 @@ def estimate_peak_memory(
         optimizer: ``None`` (no optimizer step), an optimizer instance (its
             class and param groups are rebuilt over the fake parameters, with
             empty state) or a factory ``lambda params: torch.optim.AdamW(params, ...)``.
-        loss_fn: ``loss_fn(output, targets)`` for the default step
-            (cross entropy when ``None``).
-        step_fn: ``step_fn(model, optimizer, batch)`` running one step your
-            way, instead of :func:`default_step`; it must create tensors on
-            the batch's device (CPU fakes), e.g. ``torch.autocast("cpu")``.
+        loss_fn: ``loss_fn(model, batch) -> loss | (sum, count)`` or a
+            criterion, as for the engine and the finder (cross entropy on
+            ``(inputs, targets)`` when ``None``).
+        step_fn: ``step_fn(model, optimizer, batch)`` running one whole step
+            your way, instead of :func:`default_step` (as ``find_batch_size``
+            takes a step); it must create tensors on the batch's device (CPU
+            fakes), e.g. ``torch.autocast("cpu")``.
+        shared: dict keys of the batch that are not per-sample (see
+            :mod:`batchpilot.batch`).
         steps: steps to run; 2 or more so that optimizer state and the second
             step's gradients count.
         mode: ``"train"`` or ``"eval"`` (forward under ``no_grad``).
@@ -621,7 +627,7 @@ def estimate_peak_memory(
         ValueError: invalid arguments.
     """
     cfg = _Config(sample=sample, loss_fn=loss_fn, step_fn=step_fn, steps=steps, mode=mode, amp=amp,
-                  device=device, accounting=accounting)
+                  device=device, accounting=accounting, layout=BatchLayout.of(shared))
     # Dispatch modes already running (a StorageTracker, a FLOP counter) must not see the fake step.
     with _disable_current_modes():
         setup = _FakeSetup(model, optimizer, mode=mode, foreach=device == "cuda")
@@ -726,14 +732,15 @@ def plan_batch_size(
     capacity: int | float | str,
     target: float = 0.8,
     optimizer: Any = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    loss_fn: Any = None,
     step_fn: StepFn | None = None,
     steps: int = 2,
     mode: Literal["train", "eval"] = "train",
-    amp: Literal["bf16", "fp16"] | None = None,
+    amp: str | torch.dtype | None = None,
     device: Literal["cpu", "cuda"] | None = None,
     accounting: CudaAccounting | None = None,
     max_batch_size: int = 1 << 20,
+    shared: str | Iterable[str] | None = None,
 ) -> PlanResult:
     """The largest batch whose estimated peak fits ``target × capacity``, on fake tensors.
 
@@ -752,7 +759,7 @@ def plan_batch_size(
         accounting: CUDA constants; default :meth:`CudaAccounting.for_gpu`
             for a named GPU, else :class:`CudaAccounting()`.
         max_batch_size: the largest batch considered.
-        model, sample, optimizer, loss_fn, step_fn, steps, mode, amp: as for
+        model, sample, optimizer, loss_fn, step_fn, steps, mode, amp, shared: as for
             :func:`estimate_peak_memory`.
 
     Raises:
@@ -770,7 +777,7 @@ def plan_batch_size(
     if device == "cuda" and accounting is None:
         accounting = CudaAccounting.for_gpu(gpu) if gpu else CudaAccounting()
     cfg = _Config(sample=sample, loss_fn=loss_fn, step_fn=step_fn, steps=steps, mode=mode, amp=amp,
-                  device=device, accounting=accounting)
+                  device=device, accounting=accounting, layout=BatchLayout.of(shared))
     limit = int(target * cap)
     estimates: dict[int, MemoryEstimate] = {}
     # Dispatch modes already running (a StorageTracker, a FLOP counter) must not see the fake steps.

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ._checks import positive_int
+
 __all__ = ["accum_steps", "efficient_size", "MicroBatchPolicy", "PeakFit"]
 
 # "any size": the policy caps it at the global batch
@@ -71,13 +73,13 @@ class MicroBatchPolicy:
         self, *, limit: int, micro: int, grow_after: int = 50, backoff: float = 2.0, max_wait: int | None = None
     ) -> None:
         for name, value in (("limit", limit), ("micro", micro), ("grow_after", grow_after)):
-            _check_positive(name, value)
+            positive_int(name, value)
         if micro > limit:
             raise ValueError(f"micro-batch {micro} is larger than the per-rank global batch {limit}")
         if not backoff >= 1:
             raise ValueError(f"backoff must be >= 1 (the factor the growth wait grows by), got {backoff}")
         if max_wait is not None:
-            _check_positive("max_wait", max_wait)
+            positive_int("max_wait", max_wait)
         self.limit = limit
         self.micro = efficient_size(limit, micro)
         self.grow_after = grow_after
@@ -147,7 +149,7 @@ class MicroBatchPolicy:
 
     def adopt(self, micro: int) -> None:
         """Take a size decided elsewhere (e.g. the minimum over ranks); a smaller one ends probation."""
-        _check_positive("micro", micro)
+        positive_int("micro", micro)
         micro = efficient_size(self.limit, micro)
         if micro == self.micro:
             return
@@ -182,11 +184,6 @@ class MicroBatchPolicy:
             f"MicroBatchPolicy(micro={self.micro}, limit={self.limit}, clean={self.clean}, "
             f"wait={self.wait}, probation={self.on_probation})"
         )
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class PeakFit:

@@ -24,6 +24,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
 
+from ._checks import positive_int
+
 __all__ = [
     "FIT",
     "OVER_TARGET",
@@ -139,8 +141,9 @@ class SearchSpace:
     max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.min_batch_size < 1:
-            raise BatchSizeError(f"min_batch_size must be at least 1, got {self.min_batch_size}")
+        positive_int("min_batch_size", self.min_batch_size, error=BatchSizeError)
+        if self.max_batch_size is not None:
+            positive_int("max_batch_size", self.max_batch_size, error=BatchSizeError)
         if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
             raise BatchSizeError(
                 f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
@@ -228,8 +231,8 @@ def _clamp(b: int, lo: int, hi: int | None) -> int:
 
 def _check_start(start: int | None) -> None:
     """Reject a non-positive ``start`` (shared by the policies that take one)."""
-    if start is not None and start < 1:
-        raise BatchSizeError(f"start must be at least 1, got {start}")
+    if start is not None:
+        positive_int("start", start, error=BatchSizeError)
 
 
 def _first_size(start: int | None, space: SearchSpace) -> int:
@@ -339,10 +342,8 @@ class DecayPolicy(SearchPolicy):
     no_odd: bool = False
 
     def __post_init__(self) -> None:
-        if self.start < 1:
-            raise BatchSizeError(f"start must be at least 1, got {self.start}")
-        if self.num_intra_steps < 1:
-            raise BatchSizeError(f"num_intra_steps must be at least 1, got {self.num_intra_steps}")
+        positive_int("start", self.start, error=BatchSizeError)
+        positive_int("num_intra_steps", self.num_intra_steps, error=BatchSizeError)
 
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         if not trials:
@@ -418,8 +419,8 @@ class PredictPolicy(SearchPolicy):
     tolerance_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.first_guess is not None and self.first_guess < 1:
-            raise BatchSizeError(f"first_guess must be at least 1, got {self.first_guess}")
+        if self.first_guess is not None:
+            positive_int("first_guess", self.first_guess, error=BatchSizeError)
         if self.tolerance_bytes < 0:
             raise BatchSizeError(f"tolerance_bytes must be non-negative, got {self.tolerance_bytes}")
 
@@ -629,8 +630,7 @@ def run_search(
         BatchSizeError: ``max_trials`` is not positive, or the policy asked for
             a size outside the bounds or one it already tried.
     """
-    if max_trials < 1:
-        raise BatchSizeError(f"max_trials must be at least 1, got {max_trials}")
+    positive_int("max_trials", max_trials, error=BatchSizeError)
     trials: list[Trial] = []
     stopped = False
     while len(trials) < max_trials:

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from batchpilot import distributed as bd
 from batchpilot.data import ElasticBatchSampler, ElasticLoader
-from batchpilot.engine import Engine, EngineConfig
+from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
 from batchpilot.memory import emulate_capacity, track_peak
 from batchpilot.models import MLP
 
@@ -72,11 +72,13 @@ def step_peak(micro: int) -> int:
     """Exact CPU peak of a warm single-process step of the OOM model at ``micro`` (per-rank batch)."""
     model, opt = oom_model()
     per_rank = OOM_GLOBAL // 2
-    Engine(model, opt, ce_loss, global_batch_size=per_rank, micro_batch_size=per_rank).step(
+    # one process's measurement, also inside a torchrun worker: a local coordinator on purpose
+    local = LocalCoordinator()
+    Engine(model, opt, ce_loss, global_batch_size=per_rank, micro_batch_size=per_rank, coordinator=local).step(
         shard(oom_batch(0), 0, 2)
     )
     with track_peak("cpu", track=(model, opt)) as m:
-        Engine(model, opt, ce_loss, global_batch_size=per_rank, micro_batch_size=micro).step(
+        Engine(model, opt, ce_loss, global_batch_size=per_rank, micro_batch_size=micro, coordinator=local).step(
             shard(oom_batch(1), 0, 2)
         )
     return m.peak_bytes
@@ -258,3 +260,24 @@ def _dump(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
+
+
+# -- the engine under torchrun with no coordinator passed -----------------------------------------
+
+PLAIN_STEPS = 4
+
+
+def run_plain(out: Path) -> None:
+    """An unwrapped model and an Engine given no coordinator: what a new user writes first."""
+    rank, world = bd.rank(), bd.world_size()
+    model, opt = oom_model()
+    engine = Engine(model, opt, ce_loss, global_batch_size=OOM_GLOBAL, micro_batch_size=OOM_GLOBAL // (2 * world))
+    samples = []
+    for step in range(PLAIN_STEPS):
+        r = engine.step(shard(oom_batch(step), rank, world))
+        samples.append(r.samples)
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"plain_params_rank{rank}.pt")
+    _dump(out / f"plain_rank{rank}.json", {
+        "world": engine.world_size, "per_rank": engine.per_rank_batch_size, "samples": samples,
+        "coordinator": type(engine.coordinator).__name__, "describe": engine.describe(),
+    })

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 dist_worker.py OUT SCENARIO...
 
-Scenarios: ``collectives``, ``find``, ``engine-find``, ``oom``, ``elastic-save`` / ``elastic-resume`` (paths in
+Scenarios: ``collectives``, ``find``, ``engine-find``, ``oom``, ``plain`` (no coordinator passed), ``elastic-save`` / ``elastic-resume`` (paths in
 the environment, see below), ``crash`` (rank 1 raises), ``hang`` (rank 1 never joins the
 collective; the process-group timeout must end the job). Each writes JSON / .pt under OUT.
 """
@@ -136,6 +136,10 @@ def elastic_resume(out: Path) -> None:
     dc.run_elastic(out, "resume2", steps=None, resume=Path(os.environ["ELASTIC_RESUME"]))
 
 
+def plain(out: Path) -> None:
+    dc.run_plain(out)
+
+
 def crash(out: Path) -> None:
     if bd.rank() == 1:
         raise RuntimeError("rank 1 died on purpose")
@@ -150,7 +154,7 @@ def hang(out: Path) -> None:
 
 SCENARIOS = {
     "collectives": collectives, "find": find, "engine-find": engine_find, "oom": oom, "elastic-save": elastic_save,
-    "elastic-resume": elastic_resume, "crash": crash, "hang": hang,
+    "elastic-resume": elastic_resume, "plain": plain, "crash": crash, "hang": hang,
 }
 
 
