@@ -142,13 +142,34 @@ def test_paused_counts_nothing_but_sees_frees():
         assert tr.live == 400 and tr.peak == 600
         d = a + 1  # counting is back
         assert tr.live == 800
-        # a tensor made inside counts like one made before the tracker: when read, or when tracked
+        # a tensor made inside counts like one made before the tracker: by the view an operator
+        # reads (host data: only what a step reads would be on a device), or whole when tracked
         e = host[:1] + 0
-        assert tr.live == 800 + 4000 + 4
-        tr.track(c)
-        assert tr.live == 800 + 4000 + 4 + 400
-        del a, c, d, e, host, more
+        assert tr.live == 800 + 4 + 4
+        f = host[:10] * 1  # a wider view of the same storage charges up to it
+        assert tr.live == 800 + 40 + 4 + 40
+        tr.track(c, host)
+        assert tr.live == 800 + 4000 + 4 + 40 + 400
+        del a, c, d, e, f, host, more
         assert tr.live == 0
+
+
+def test_a_slice_of_host_data_counts_like_its_clone():
+    X = torch.randn(4096, 64)  # a dataset tensor: 1 MiB that lives outside the step
+    view, clone = X[:8], X[:8].clone()  # made outside the step, as a loader's batch would be
+    with track_peak("cpu") as sliced:
+        (view * 2).sum()
+    with track_peak("cpu") as cloned:
+        (clone * 2).sum()
+    with track_peak("cpu") as sliced_inside:
+        (X[:8] * 2).sum()
+    assert sliced.peak_bytes == cloned.peak_bytes == sliced_inside.peak_bytes == 2 * 8 * 64 * 4 + 4
+    # a DataLoader over a TensorDataset stacks per-sample views of X: only the batch is charged
+    data = torch.utils.data.TensorDataset(X, torch.zeros(len(X), dtype=torch.long))
+    with emulate_capacity(64 * 1024) as probe:
+        xb, yb = next(iter(torch.utils.data.DataLoader(data, batch_size=16)))
+        assert probe.allocated() < 16 * 1024
+    assert xb.shape == (16, 64)
 
 
 def test_untracked_leaves_nested_windows_untouched():

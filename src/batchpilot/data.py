@@ -1,20 +1,8 @@
 """An elastic batch sampler: batch size changes mid-epoch, rank sharding, exact mid-epoch resume.
 
-A ``DataLoader`` with workers asks its batch sampler for batches ahead of the training loop
-(``num_workers × prefetch_factor`` of them), so "what the sampler generated" runs ahead of "what
-training used". A checkpoint must record the latter. Here the sampler remembers the size of every
-batch it handed out, in order, and a batch only counts once it is *marked consumed*;
-:class:`ElasticLoader` does the marking as it yields each batch, and restarts the ``DataLoader``
-from the consumed position when the batch size changes, so prefetched batches of the old size are
-dropped and their samples served again at the new size. Nothing is skipped, nothing repeated.
-
-Layout of one epoch (the same as ``torch.utils.data.DistributedSampler``, which lets a run switch
-between the two): the epoch permutation ``perm`` is ``torch.randperm(N)`` drawn from a generator
-seeded with ``seed + epoch`` (``range(N)`` without shuffle). The global stream is
-``perm[0], perm[1], ...``; rank ``r`` of ``R`` takes stream positions ``r, r + R, r + 2R, ...``
-(interleaved). With ``drop_last=False`` the stream is padded to a multiple of ``R`` by repeating
-from the start of ``perm`` (those pads are the only repeats); with ``drop_last=True`` the tail
-that does not divide by ``R`` is dropped. All ranks therefore get the same number of samples.
+A batch counts only once it is *marked consumed* (:class:`ElasticLoader` does it as it yields),
+so a checkpoint ignores what ``DataLoader`` workers prefetched; the layout of an epoch is
+``DistributedSampler``'s. Details: ``docs/internals.md#data``.
 """
 
 from __future__ import annotations

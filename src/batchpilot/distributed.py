@@ -1,22 +1,9 @@
-"""Rank helpers and the agreements that keep data-parallel ranks in step.
+"""The agreements that keep data-parallel ranks in step, and the finder on every rank.
 
-Under ``torchrun`` every rank runs the same program on its own device, and a collective
-(all-reduce, broadcast) only returns once *every* rank has entered it. A rank that takes a
-different path — it hit an OOM and went into an ``except`` block, or skipped a gradient
-all-reduce — leaves the others waiting until the process-group timeout. The rules here:
-
-* every decision that depends on memory (the batch size, "did this step OOM?") is agreed with
-  one small all-reduce that *every* rank reaches whatever happened locally: MIN for a size,
-  MAX for a failure;
-* that collective runs after the local work has returned or failed and its ``except`` block
-  has been left (the traceback of an OOM pins the activations that filled the memory, and a
-  rank that raised takes a different path). :func:`all_reduce_int` refuses to run while an OOM
-  is being handled, so a violation fails loudly instead of hanging;
-* outside a process group (or with one rank) every agreement is the local value: the same code
-  runs single-process and under ``torchrun``.
-
-:class:`DistributedCoordinator` is the engine's hook (``Engine(..., coordinator=...)``);
-:func:`find_batch_size_distributed` runs the finder on every rank and agrees on the minimum.
+Every memory decision is one small all-reduce that every rank reaches, after its local work
+has left any ``except`` block (MIN for a size, MAX for a failure); outside a process group each
+agreement is the local value. Rank helpers live in :mod:`batchpilot.ranks`.
+Details: ``docs/internals.md#distributed``.
 """
 
 from __future__ import annotations

@@ -1,54 +1,9 @@
 """A training step that holds the global batch fixed and picks the micro-batch by itself.
 
-Batch sizes. ``global_batch_size`` is the true global batch, samples per optimizer step summed
-over all ranks (``global = micro × world × accum``, as :class:`batchpilot.batching.BatchConfig`
-defines it). Each rank trains on its share, ``per_rank_batch_size = global // world`` with the
-world size from the coordinator (1 without one). ``Engine.step(batch)`` takes this rank's
-share, splits it into micro-batches, accumulates their gradients and steps the optimizer
-exactly once. On an out-of-memory error in any micro-batch it drops the partial gradients,
-frees memory outside the ``except`` block, shrinks the micro-batch and runs the *same* batch
-again from its first micro-batch: no sample is skipped or counted twice, and the update equals
-the one without the OOM to float rounding. After a run of clean steps with memory to spare it grows the
-micro-batch back (see :class:`batchpilot.policy.MicroBatchPolicy`).
-
-Loss weighting. ``loss_fn(model, micro_batch)`` returns either the micro-batch's mean loss,
-which is weighted by ``micro_size / batch_size`` so that uneven micro-batches give the exact
-mean over the batch, or a ``(sum, count)`` pair (token-level losses): every micro-batch's
-backward runs on ``sum / per_rank_batch_size`` and, once all counts are known, the gradients
-are multiplied by ``world × per_rank_batch_size / total_count`` (DDP averaged over the ranks)
--- exactly ``d(total_sum / total_count)`` with one extra pass over the gradients and
-magnitudes like a per-sample loss (fp16-safe).
-
-Retries. The failed attempt's BatchNorm running statistics and the torch RNG state are put
-back before the retry, so the retried step is the one a run at the smaller micro-batch would
-have made. BatchNorm statistics themselves are per micro-batch, as in every accumulation
-scheme: with BatchNorm the update depends on the micro-batch size (without it, it does not).
-
-Data parallel. Under ``DistributedDataParallel`` every micro-batch but the last runs under
-``no_sync``. With more than one rank, pass a coordinator (``batchpilot.distributed``) that
-agrees on every OOM and defers the gradient all-reduce until all ranks succeeded (see
-:class:`Coordinator`); the default :class:`LocalCoordinator` is for one process. The finder's
-trials (``micro_batch_size="auto"`` without ``start``) run the module inside the DDP wrapper,
-never the wrapper: ranks run different trials, so no collective may happen in them; with
-several ranks they go through :func:`batchpilot.distributed.find_batch_size_distributed`,
-which agrees on the smallest answer (and fails on every rank when nothing fits on one).
-
-Memory figures. The peak of each step comes from the device's probe
-(:func:`batchpilot.memory.get_probe`). On accelerators it is exact and free to read. On CPU it
-is exact only inside a :class:`~batchpilot.memory.StorageTracker` (``emulate_capacity`` or
-``track_peak`` around the training loop); outside one ``StepResult.peak_bytes`` is the
-process's peak resident set size, reported but never used for decisions, so on an untracked
-CPU the engine shrinks on OOM and does not grow back or react to pressure. The next
-micro-batch is decided right after the forward and backward passes, before the gradient sync
-and the optimizer step, so that it rides on the same agreement as the OOM vote (one collective
-per clean step, :meth:`Coordinator.agree`). The peak it decides on is that of the passes and,
-for the sync and the optimizer step, which have not run yet and do not depend on the
-micro-batch, the peak they reached in the previous step. ``StepResult.peak_bytes`` is the
-peak of the whole step.
-
-Synchronisation. The step does not wait for the device: the loss is accumulated as a tensor
-and ``StepResult.loss`` converts it on first access (that is the CPU-GPU sync point). fp16
-adds one sync per step, reading the ``GradScaler``'s scale to report skipped steps.
+``Engine.step(batch)`` splits this rank's share of one global batch into micro-batches that fit,
+accumulates their gradients and steps the optimizer once. On an OOM it drops the partial
+gradients, shrinks and reruns the same batch: no sample lost, the same update. It grows back
+after clean steps with room to spare. How and why, in detail: ``docs/internals.md#engine``.
 """
 
 from __future__ import annotations

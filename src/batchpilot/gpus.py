@@ -1,22 +1,7 @@
-"""What a CUDA GPU offers and how its caching allocator accounts for it.
+"""What a CUDA GPU offers (named GPUs) and how its caching allocator accounts for memory.
 
-Two facts the planner needs about a device it cannot see:
-
-* its memory, from a table of named GPUs (:data:`GPUS`, :func:`gpu_spec`);
-* how PyTorch's CUDA caching allocator turns tensor storages into device
-  memory (:class:`CudaAccounting`, :class:`CachingAllocatorModel`): every block
-  is rounded up to 512 bytes, memory is reserved from the driver in 2 MiB
-  (small) and 20 MiB (large) segments and cached rather than returned, the
-  cuBLAS workspaces live in the allocator too, and the CUDA context takes
-  memory the allocator never sees.
-
-The constants follow ``c10/cuda/CUDACachingAllocator.cpp`` and
-``aten/src/ATen/cuda/CUDABlasHandlePool.cpp`` of PyTorch 2.x (the HIP allocator
-on ROCm is the same code). What is *not* modelled: cuDNN / cuFFT / NCCL
-workspaces (taken through the allocator while a kernel runs, size chosen by the
-library), ``PYTORCH_CUDA_ALLOC_CONF`` options (``expandable_segments``,
-``max_split_size_mb``, ``roundup_power2_divisions``), and kernels that pick a
-different algorithm, and hence different temporaries, on CUDA than on CPU.
+The constants follow PyTorch's ``CUDACachingAllocator.cpp`` and ``CUDABlasHandlePool.cpp``;
+what is not modelled: ``docs/internals.md#gpus``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Averaging gradients over data-parallel ranks, and broadcasting buffers, by hand.
 
-Why: with a deferred gradient sync (``DistributedCoordinator(defer_grad_sync=True)``, the
-default) every micro-batch's backward runs under DDP's ``no_sync``, so DDP never all-reduces
-the accumulated gradients; the coordinator does it here, once every rank has agreed that no
-rank ran out of memory in the attempt. The same code averages the gradients of a plain,
-unwrapped model.
-
-How: :func:`all_reduce_gradients` divides each gradient by the world size and sums it over
-ranks. Gradients of 1 MiB or more are all-reduced in place, asynchronously, with no extra
-memory; smaller ones are packed into flat buckets of one dtype and device (at most
-``bucket_cap_bytes`` each), one all-reduce per bucket, the only memory this needs. The first
-bucket also carries one presence flag per parameter, so every rank learns which gradients
-exist on any rank before the in-place all-reduces, which must pair up: a gradient that is
-``None`` here but present elsewhere counts as zero and is created; it stays ``None`` only
-where it is ``None`` on every rank (as under DDP with ``find_unused_parameters=True``).
-:func:`broadcast_buffers` then does what DDP's forward would have done, overwriting the
-buffers with rank 0's values, one broadcast per bucket, when :func:`syncs_buffers` says the
-DDP wrapper broadcasts them.
-
-Every rank must call these with the same tensors in the same order, outside any ``except``
-block (see :mod:`batchpilot.distributed`). ``on_collective``, when given, is called once just
-before each collective (to count them).
+With a deferred sync every micro-batch runs under DDP's ``no_sync``, so the coordinator
+averages the gradients here once no rank ran out of memory (packed small gradients, large ones
+in place). Every rank must call these in the same order, outside any ``except`` block.
+Details: ``docs/internals.md#gradsync``.
 """
 
 from __future__ import annotations

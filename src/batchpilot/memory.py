@@ -22,12 +22,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .host import ResidentPeak, host_limits, resident_bytes
+
 __all__ = [
     "parse_bytes",
     "format_bytes",
     "resolve_device",
     "MemoryProbe",
     "get_probe",
+    "CpuProbe",
+    "HostProbe",
     "StorageTracker",
     "active_tracker",
     "untracked",
@@ -125,9 +129,11 @@ class StorageTracker(TorchDispatchMode):
 
     Every storage an operator returns is counted once (views share it) and
     released by a weakref callback when the storage is freed. Tensors that exist
-    before the tracker starts are counted when :meth:`track` is given them
-    (modules: parameters, buffers and gradients; optimizers: their state) or
-    when an operator first reads them.
+    before the tracker starts are counted whole when :meth:`track` is given them
+    (modules: parameters, buffers and gradients; optimizers: their state);
+    otherwise, when an operator first reads them, by the bytes the view read
+    covers: data from outside the step (``X[:8]`` of a dataset tensor ``X``)
+    is host data, and only the part a step reads would be on a device.
 
     With ``capacity`` set, an operator whose new outputs would take the live
     bytes past it raises ``torch.OutOfMemoryError``: the CPU then behaves like a
@@ -148,6 +154,8 @@ class StorageTracker(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        # storages charged for less than their size: host data seen through views
+        self._partial: set[int] = set()
         self._windows: list[PeakMeasurement] = []
         self._lock = threading.Lock()
         # per thread: another thread's operators are still device memory while one thread pauses
@@ -157,6 +165,7 @@ class StorageTracker(TorchDispatchMode):
     def _release(self, key: int, _ref: Any) -> None:
         with self._lock:
             self._refs.pop(key, None)
+            self._partial.discard(key)
             self.live -= self._sizes.pop(key, 0)
 
     def _bump_peak(self) -> None:
@@ -184,9 +193,10 @@ class StorageTracker(TorchDispatchMode):
                     self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
                     self._sizes[key] = nbytes
                     self.live += nbytes
-                elif old != nbytes:  # resize_ grew or shrank a storage in place
+                elif old != nbytes:  # resize_ grew or shrank a storage in place (or host data now tracked whole)
                     self._sizes[key] = nbytes
                     self.live += nbytes - old
+                self._partial.discard(key)
             self._bump_peak()
 
     def track(self, *objs: Any) -> StorageTracker:
@@ -237,19 +247,23 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(self._pause, "depth", 0):
             return func(*args, **kwargs)
-        inputs = [st for st in map(self._storage, tree_flatten((args, kwargs))[0]) if st is not None]
-        unseen = [st for st in inputs if id(st) not in self._sizes]
-        if unseen:
-            self._add_storages(unseen)
+        # tensors from outside the step (unseen, or host data seen through a view so far)
+        host = [t for t in tree_flatten((args, kwargs))[0] if self._is_host(t)]
+        host_keys = {id(self._storage(t)) for t in host}
         out = func(*args, **kwargs)
         fresh: dict[int, torch.UntypedStorage] = {}
         grown = []
-        for st in map(self._storage, tree_flatten(out)[0]):
+        views = []
+        for t in tree_flatten(out)[0]:
+            st = self._storage(t)
             if st is None:
                 continue
-            old = self._sizes.get(id(st))
-            if old is None:
-                fresh[id(st)] = st
+            key = id(st)
+            old = self._sizes.get(key)
+            if key in host_keys:
+                views.append(t)  # a view of host data (a slice of a dataset): charged by what it covers
+            elif old is None:
+                fresh[key] = st
             elif old != st.nbytes():
                 grown.append(st)
         request = sum(st.nbytes() for st in fresh.values())
@@ -264,7 +278,48 @@ class StorageTracker(TorchDispatchMode):
             )
         if fresh or grown:
             self._add_storages([*fresh.values(), *grown])
+        # host data an operator read (not merely viewed) is charged by the view it read
+        viewed = {id(self._storage(t)) for t in views}
+        read = [t for t in host if id(self._storage(t)) not in viewed]
+        if views or read:
+            self._charge_host_views([*views, *read])
         return out
+
+    def _is_host(self, t: Any) -> bool:
+        st = self._storage(t)
+        return st is not None and (id(st) not in self._sizes or id(st) in self._partial)
+
+    def _charge_host_views(self, leaves: Iterable[Any]) -> None:
+        """Count tensors that existed before the tracker by the bytes each view covers.
+
+        A tensor the tracker has not seen is data from outside the step (a dataset tensor, a
+        slice of it, a ``TensorDataset`` row a loader stacks): on a device only the part a step
+        reads would be there, so ``X[:8]`` counts like ``X[:8].clone()`` and not like ``X``. A
+        storage seen again through a wider view is charged up to that view (at most its size).
+        """
+        with self._lock:
+            for t in leaves:
+                st = self._storage(t)
+                if st is None:
+                    continue
+                key = id(st)
+                old = self._sizes.get(key)
+                if old is not None and key not in self._partial:
+                    continue
+                size = st.nbytes()
+                covered = min(size, _view_extent(t))
+                if old is None:
+                    self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
+                    self._sizes[key] = covered
+                    self.live += covered
+                    if covered < size:
+                        self._partial.add(key)
+                elif covered > old:
+                    self._sizes[key] = covered
+                    self.live += covered - old
+                    if covered == size:
+                        self._partial.discard(key)
+            self._bump_peak()
 
     def __enter__(self) -> StorageTracker:
         _ACTIVE.append(self)
@@ -278,6 +333,14 @@ class StorageTracker(TorchDispatchMode):
 
 
 _ACTIVE: list[StorageTracker] = []
+
+
+def _view_extent(t: torch.Tensor) -> int:
+    """Bytes of storage a view spans, from its first element to its last."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride()))
+    return span * t.element_size()
 
 
 def active_tracker(device: torch.device | str = "cpu") -> StorageTracker | None:
@@ -361,61 +424,54 @@ class MemoryProbe:
         return f"{type(self).__name__}({self.device})"
 
 
-def _cgroup_limit() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            raw = open(path).read().strip()
-        except OSError:
-            continue
-        if raw.isdigit() and int(raw) < 2**60:  # v1 reports "no limit" as a huge number
-            return int(raw)
-    return None
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 class CpuProbe(MemoryProbe):
-    """Exact inside a :class:`StorageTracker`; the resident set size outside one."""
+    """Exact tensor bytes inside a :class:`StorageTracker`; the process's real memory outside one.
+
+    Outside a tracker the figures are the resident set (:mod:`batchpilot.host`): ``allocated``
+    is what the process holds, ``peak`` its high-water mark since :meth:`reset_peak`, and
+    ``capacity`` what it can reach before the tightest limit (cgroup, ``RLIMIT_AS``, RAM).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._resident = ResidentPeak()
 
     def capacity(self) -> int:
         tr = active_tracker(self.device)
         if tr is not None and tr.capacity is not None:
             return tr.capacity
-        limit = _cgroup_limit()
-        avail = _mem_available()
-        return min(avail, limit) if limit is not None else avail
+        return host_limits().capacity_bytes
 
     def allocated(self) -> int:
         tr = active_tracker(self.device)
-        return tr.live if tr is not None else _rss()
+        return tr.live if tr is not None else resident_bytes()
 
     def peak(self) -> int:
         tr = active_tracker(self.device)
-        return tr.peak if tr is not None else _rss()
+        return tr.peak if tr is not None else self._resident.peak()
 
     def reset_peak(self) -> None:
         tr = active_tracker(self.device)
         if tr is not None:
             tr.reset_peak()
+        else:
+            self._resident.reset()
+
+
+class HostProbe(CpuProbe):
+    """The process's real memory (resident set, host limits), whether or not a tracker runs."""
+
+    def capacity(self) -> int:
+        return host_limits().capacity_bytes
+
+    def allocated(self) -> int:
+        return resident_bytes()
+
+    def peak(self) -> int:
+        return self._resident.peak()
+
+    def reset_peak(self) -> None:
+        self._resident.reset()
 
 
 class AcceleratorProbe(MemoryProbe):

@@ -1,23 +1,9 @@
 """Plan a batch size for a device you don't have: run the step on fake tensors.
 
-:func:`estimate_peak_memory` copies the model and optimizer onto
-``FakeTensorMode`` tensors (shapes, dtypes and storages but no data), runs the
-training step ``steps`` times at any batch size and counts every storage the
-step creates, as :class:`batchpilot.memory.StorageTracker` does for real CPU
-tensors. On CPU the result equals the tracker's measured peak byte for byte.
-:func:`plan_batch_size` solves for the largest batch that fits a capacity.
-
-What the peak counts: parameters, buffers, the input batch, gradients,
-optimizer state and every activation / temporary an operator returns, all
-at the moment of the peak. What it cannot see: scratch memory a kernel
-allocates without returning a tensor. For CUDA, :mod:`batchpilot.gpus` adds
-the caching allocator's rounding and segments, the cuBLAS workspaces and the
-CUDA context. The fake tensors are always CPU tensors: on a CPU-only build a
-backward pass over fake *CUDA* tensors aborts the process, and on any build
-CPU kernels may pick other temporaries than CUDA ones (a documented limit).
-
-The user's model, optimizer and RNG are never touched: the fake copy shares
-nothing with them.
+:func:`estimate_peak_memory` counts every storage a step makes on ``FakeTensorMode`` copies of
+the model (byte-exact against the CPU tracker); :func:`plan_batch_size` solves for the largest
+batch under a capacity. The user's model, optimizer and RNG are never touched. What is and is
+not counted: ``docs/internals.md#plan``.
 """
 
 from __future__ import annotations

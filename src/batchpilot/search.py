@@ -1,20 +1,9 @@
 """Pure integer search policies for the largest batch size under a memory limit.
 
-Nothing here imports torch: a policy only sees the trials run so far (batch
-size, outcome, measured peak) and names the next batch size to try, so its
-sequence can be asserted against a memory function written in plain Python.
-:func:`run_search` is the loop shared by the real finder (:mod:`batchpilot.find`)
-and the tests.
-
-Outcomes of a trial:
-
-- ``"fit"``: the peak stayed at or under ``limit_bytes`` (``target × capacity``);
-- ``"over_target"``: it ran, but its peak went over the limit — the target is the
-  contract, so this counts as "does not fit" although nothing failed;
-- ``"oom"``: it ran out of memory; its peak is unknown (at least the capacity).
-
-Every policy assumes memory grows with the batch size: the answer is the
-largest fitting size below the smallest failing one.
+Nothing here imports torch: a policy sees the trials so far (size, outcome ``fit`` /
+``over_target`` / ``oom``, peak) and names the next size, so its sequence can be asserted on a
+memory function written in plain Python. :func:`run_search` is the loop the finder and the
+tests share. How ``predict`` reasons: ``docs/internals.md#search``.
 """
 
 from __future__ import annotations
@@ -379,27 +368,9 @@ class PredictPolicy(SearchPolicy):
        lies on or above such a line at b + 1, so the answer is exact without
        running b + 1; otherwise b + 1 is run.
 
-    Guards: no line through the start bytes and the largest fit's peak is
-    steeper than their proportional slope, so an extrapolation stops at the
-    *ceiling*, where that slope reaches the capacity (or at twice the fit, if
-    that is farther). A *flat start* — the optimizer step outweighing the
-    activations of small batches, so the line's answer is more than 16 times
-    the ceiling — jumps instead to the geometric mean of the two: stepping by
-    ceilings would stop in the transition between the two regimes, off both
-    lines, and cost a trial more; the jump risks one OOM. After an OOM the
-    next size is at most the midpoint of the bracket and the ceiling. After
-    two guesses inside a bracket that each left more than half of it (and
-    did not double its floor), the next is the midpoint, so the worst case
-    is logarithmic.
-
-    Linear memory whose fixed part is small next to a sample takes 3 trials
-    (``min_batch_size``, the proportional guess, the boundary); a kink adds
-    one or two; a large step in the peak or strongly superlinear memory 6 to
-    12. On the reference models (CPU, 16 MiB): CNN 3 (1, 35, 47), transformer
-    4 (1, 28, 74 over the target, 72), MLP 5 (1, 14, 3324 over the target,
-    2813, 2841), none with an OOM. The MLP cannot take 4: its first two sizes
-    lie on the flat part, and a certificate needs b + 1 or three trials on
-    the steep line.
+    Guards against overshooting (the *ceiling*, the *flat start*, the midpoint after slow
+    progress) keep the worst case logarithmic; they and the trials each shape of memory
+    takes are in ``docs/internals.md#search``.
 
     Attributes:
         first_guess: a size to try first (e.g. from the planner).

@@ -1,26 +1,7 @@
-"""Snapshot training state and put it back bit for bit.
+"""Snapshot training state (modules, optimizers, schedulers, scalers, tensors, RNGs) and put it back bit for bit.
 
-A batch-size search runs real optimizer steps; :class:`StateSnapshot` makes them
-leave no trace. It copies, to host memory:
-
-- modules: every parameter and buffer (persistent or not), each parameter's
-  ``.grad`` and every submodule's ``training`` flag; restoring copies the values
-  back *into the original tensors* (so optimizers keep pointing at them) and
-  re-attaches any tensor a step replaced;
-- optimizers: ``state_dict()`` (state tensors, step counters, param groups and
-  their learning rates);
-- ``GradScaler``, LR schedulers and anything else with ``state_dict`` /
-  ``load_state_dict``;
-- plain tensors (e.g. an EMA buffer), restored in place;
-- the RNG states of torch (CPU, and CUDA when initialised), numpy's global
-  generator and python's ``random``.
-
-Copies are made and restored under :func:`~batchpilot.memory.untracked`, so a
-running :class:`~batchpilot.memory.StorageTracker` never counts the snapshot
-(it is host memory, not the device's) nor enforces its capacity on it; the
-tensors a restore creates (re-attached gradients, the optimizer state handed
-to ``load_state_dict``) are then registered with every paused tracker, so that
-their counts stay exact.
+Copies live in host memory and are made under :func:`~batchpilot.memory.untracked`, so a
+running tracker never counts them. Details: ``docs/internals.md#snapshot``.
 """
 
 from __future__ import annotations

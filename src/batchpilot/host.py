@@ -1,0 +1,287 @@
+"""The host's real memory: what this process holds, its peak, and what limits it.
+
+On a CPU the memory that runs out is the process's resident set, and what limits it is the
+smallest of: the memory cgroup it lives in (a container's limit, ancestors included; past it the
+kernel kills the process, it does not raise), its ``RLIMIT_AS`` (past it an allocation fails
+and PyTorch raises), and the RAM the machine has available. Linux only; elsewhere the figures
+fall back to ``getrusage`` and the physical memory, and no limit is found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["HostLimits", "host_limits", "resident_bytes", "ResidentPeak", "trim_host_memory"]
+
+logger = logging.getLogger(__name__)
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# cgroup v1 reports "no limit" as a huge number near 2**63
+_NO_LIMIT = 2**60
+
+
+def _read(path: Path | str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``VmSize``) in bytes."""
+    text = _read("/proc/self/status")
+    if text is None:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now."""
+    text = _read("/proc/self/statm")
+    if text is not None:
+        return int(text.split()[1]) * _PAGE
+    if resource is not None:  # not Linux: the peak is all getrusage knows
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return 0
+
+
+def _address_space_bytes() -> int | None:
+    text = _read("/proc/self/statm")
+    return None if text is None else int(text.split()[0]) * _PAGE
+
+
+class ResidentPeak:
+    """The peak resident set size since :meth:`reset`.
+
+    Linux keeps the high-water mark (``VmHWM``) and resets it to the current size when ``5`` is
+    written to ``/proc/self/clear_refs`` (an O(1) write). Where that is refused (an old kernel,
+    a locked-down ``/proc``) a thread samples the resident size every ``interval`` seconds
+    between :meth:`reset` and :meth:`peak`: a short spike between samples can be missed.
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self._kernel = True
+        self._sampled = 0
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def reset(self) -> None:
+        if self._kernel:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                return
+            except OSError as exc:
+                logger.info("cannot reset the resident high-water mark (%s); sampling it instead", exc)
+                self._kernel = False
+        self._start_sampling()
+
+    def peak(self) -> int:
+        if self._kernel:
+            hwm = _status_kib("VmHWM")
+            if hwm is not None:
+                return hwm
+        return max(self._sampled, resident_bytes())
+
+    def _start_sampling(self) -> None:
+        self._stop_sampling()
+        self._sampled = resident_bytes()
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(self.interval):
+                self._sampled = max(self._sampled, resident_bytes())
+
+        self._stop, self._thread = stop, threading.Thread(target=run, name="batchpilot-rss", daemon=True)
+        self._thread.start()
+
+    def _stop_sampling(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self._stop = self._thread = None
+
+    def close(self) -> None:
+        self._stop_sampling()
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostLimits:
+    """What limits this process's memory, read at one moment.
+
+    Attributes:
+        resident_bytes: this process's resident set now.
+        cgroup_limit_bytes: the smallest memory limit of this process's cgroup and its
+            ancestors (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), or ``None``.
+        cgroup_used_bytes: that cgroup's working set (usage less inactive page cache, which the
+            kernel reclaims before it kills), this process included.
+        rlimit_as_bytes: the soft ``RLIMIT_AS``, or ``None`` when unlimited.
+        address_space_bytes: this process's mapped address space now (``VmSize``).
+        available_bytes: the machine's ``MemAvailable``.
+    """
+
+    resident_bytes: int
+    cgroup_limit_bytes: int | None = None
+    cgroup_used_bytes: int | None = None
+    rlimit_as_bytes: int | None = None
+    address_space_bytes: int | None = None
+    available_bytes: int = 0
+
+    def headrooms(self) -> dict[str, int]:
+        """How much more this process can hold before each limit, by name."""
+        room = {"physical": self.available_bytes}
+        if self.cgroup_limit_bytes is not None:
+            room["cgroup"] = self.cgroup_limit_bytes - (self.cgroup_used_bytes or self.resident_bytes)
+        if self.rlimit_as_bytes is not None and self.address_space_bytes is not None:
+            room["rlimit_as"] = self.rlimit_as_bytes - self.address_space_bytes
+        return room
+
+    @property
+    def binding(self) -> str:
+        """The limit that binds first: ``"cgroup"``, ``"rlimit_as"`` or ``"physical"``."""
+        room = self.headrooms()
+        return min(room, key=room.__getitem__)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The resident size this process can reach: what it holds now plus the tightest headroom."""
+        return self.resident_bytes + max(0, min(self.headrooms().values()))
+
+    @property
+    def kills(self) -> bool:
+        """True when going over the binding limit kills the process rather than raising."""
+        return self.binding != "rlimit_as"
+
+
+def _cgroup_dirs() -> list[tuple[int, Path]]:
+    """``(version, directory)`` of this process's memory cgroup and its ancestors, innermost first."""
+    own = _read("/proc/self/cgroup")
+    mounts = _read("/proc/self/mountinfo")
+    if own is None or mounts is None:
+        return []
+    paths: dict[int, str] = {}
+    for line in own.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            paths.setdefault(2, path)
+        elif "memory" in controllers.split(","):
+            paths[1] = path
+    found: list[tuple[int, Path]] = []
+    for line in mounts.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        fstype, options = fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else ""
+        root, mount_point = fields[3], Path(fields[4])
+        version = 2 if fstype == "cgroup2" else 1 if fstype == "cgroup" and "memory" in options.split(",") else 0
+        if version == 0 or version not in paths:
+            continue
+        rel = paths[version]
+        if root != "/" and rel.startswith(root):  # a namespaced mount shows the cgroup from its root
+            rel = rel[len(root):]
+        d = mount_point / rel.lstrip("/")
+        while True:
+            found.append((version, d))
+            if d == mount_point or d.parent == d:
+                break
+            d = d.parent
+    return found
+
+
+def _cgroup_limit_and_use() -> tuple[int | None, int | None]:
+    """The tightest limit among this process's memory cgroups, and the working set of that cgroup."""
+    best: tuple[int, int | None] | None = None
+    for version, d in _cgroup_dirs():
+        if version == 2:
+            raw, usage, stat_key = _read(d / "memory.max"), _read(d / "memory.current"), "inactive_file"
+        else:
+            raw, usage, stat_key = _read(d / "memory.limit_in_bytes"), _read(d / "memory.usage_in_bytes"), \
+                "total_inactive_file"
+        if raw is None or not raw.strip().isdigit():
+            continue  # "max" (v2) or unreadable
+        limit = int(raw)
+        if limit >= _NO_LIMIT:
+            continue
+        used = None
+        if usage is not None and usage.strip().isdigit():
+            used = int(usage)
+            stat = _read(d / "memory.stat") or ""
+            for line in stat.splitlines():
+                key, _, value = line.partition(" ")
+                if key == stat_key and value.strip().isdigit():
+                    used -= int(value)
+        if best is None or limit < best[0]:
+            best = (limit, used)
+    return (None, None) if best is None else best
+
+
+def _available() -> int:
+    text = _read("/proc/meminfo")
+    if text is not None:
+        for line in text.splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    if hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0
+
+
+def host_limits() -> HostLimits:
+    """What limits this process's memory now (a handful of small file reads)."""
+    limit, used = _cgroup_limit_and_use()
+    rlimit = None
+    if resource is not None:
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        rlimit = None if soft == resource.RLIM_INFINITY else int(soft)
+    return HostLimits(
+        resident_bytes=resident_bytes(), cgroup_limit_bytes=limit, cgroup_used_bytes=used,
+        rlimit_as_bytes=rlimit, address_space_bytes=_address_space_bytes(), available_bytes=_available(),
+    )
+
+
+_libc = None
+_trim_checked = False
+
+
+def trim_host_memory() -> float:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``); the seconds it took.
+
+    glibc keeps freed blocks in its arenas, so a process's resident size stays at its high-water
+    mark after a large step; trimming makes the resident size measure what is live again. A no-op
+    where the C library has no ``malloc_trim``.
+    """
+    global _libc, _trim_checked
+    if not _trim_checked:
+        _trim_checked = True
+        name = ctypes.util.find_library("c")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+            _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else None
+        except OSError:
+            _libc = None
+    if _libc is None:
+        return 0.0
+    began = time.perf_counter()
+    _libc.malloc_trim(0)
+    return time.perf_counter() - began
