@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from .. import report
-from ..find import find_batch_size
-from ..memory import format_bytes
+from ...find import find_batch_size
+from ...memory import format_bytes
 from .common import (
     UsageError, add_fit_options, add_model_options, add_verbose, byte_size, device_or_fail, positive_int,
 )
@@ -99,8 +99,8 @@ def _planned_guess(
 ) -> int | None:
     """The planner's answer for this step and limit, or ``None`` when it cannot plan one."""
     # imported here: fake tensors are only needed when a plan is asked for
-    from ..memory import get_probe
-    from ..plan import PlanningError, plan_batch_size
+    from ...memory import get_probe
+    from ...plan import PlanningError, plan_batch_size
 
     if args.strategy != "predict":
         raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")

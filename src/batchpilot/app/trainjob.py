@@ -30,15 +30,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..batching import LR_SCALE_RULES, is_adaptive, scale_lr
+from ..data import ElasticBatchSampler
+from ..engine import Engine, EngineConfig, StepResult
+from ..find import find_batch_size
+from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
+from ..microbatch import supervised_loss
+from ..models import MLP, SmallCNN
 from . import report
-from .batching import LR_SCALE_RULES, is_adaptive, scale_lr
-from .data import ElasticBatchSampler
 from .datasets import DigitsSplit, load_digits
-from .engine import Engine, EngineConfig, StepResult
-from .find import find_batch_size
-from .memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
-from .microbatch import supervised_loss
-from .models import MLP, SmallCNN
 
 __all__ = [
     "TrainConfig", "TrainResult", "JobError", "run_training", "call_model_factory", "make_optimizer",

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..models import MLP, SmallCNN, TransformerBlockModel
+from ...models import MLP, SmallCNN, TransformerBlockModel
 from ..trainjob import call_model_factory, make_optimizer
 from .common import AMP_MODES, OPTIMIZERS, UsageError
 

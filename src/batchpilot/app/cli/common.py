@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..memory import parse_bytes, resolve_device
+from ...memory import parse_bytes, resolve_device
 from ..trainjob import OPTIMIZERS
 
 __all__ = [

@@ -14,8 +14,8 @@ import logging
 import sys
 from typing import Sequence
 
-from ..engine import BatchDoesNotFitError
-from ..search import BatchSizeError, NothingFitsError
+from ...engine import BatchDoesNotFitError
+from ...search import BatchSizeError, NothingFitsError
 from ..trainjob import JobError
 from . import cmd_find, cmd_plan, cmd_train
 from .common import UsageError

@@ -61,7 +61,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 __all__ = [
     "SCHEMA_VERSION",

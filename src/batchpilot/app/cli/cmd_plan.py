@@ -7,10 +7,10 @@ import sys
 from typing import Any
 
 from .. import report
-from ..gpus import GPUS, gpu_spec
-from ..memory import format_bytes
-from ..plan import PlanningError, PlanResult, plan_batch_size
-from ..search import NothingFitsError
+from ...gpus import GPUS, gpu_spec
+from ...memory import format_bytes
+from ...plan import PlanningError, PlanResult, plan_batch_size
+from ...search import NothingFitsError
 from ..trainjob import make_optimizer
 from .common import UsageError, add_fit_options, add_model_options, add_verbose, byte_size, positive_int
 from .workload import Workload

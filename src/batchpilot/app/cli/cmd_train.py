@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from .. import report
-from ..batching import LR_SCALE_RULES
-from ..memory import format_bytes
+from ...batching import LR_SCALE_RULES
+from ...memory import format_bytes
 from ..trainjob import DEFAULT_CPU_CAPACITY, OPTIMIZERS, TrainConfig, TrainResult, run_training
 from .common import (
     AMP_MODES, UsageError, add_verbose, byte_size, device_or_fail, fraction, non_negative_int, positive_float, positive_int,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot import report
-from batchpilot.cli import build_parser, main
+from batchpilot.app import report
+from batchpilot.app.cli import build_parser, main
 from batchpilot.models import MLP
 
 from test_report import png_size
