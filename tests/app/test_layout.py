@@ -1,0 +1,42 @@
+"""The two layers: the library never imports the app, and the app's old import paths still work."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ALIASES = {
+    "batchpilot.trainjob": "batchpilot.app.trainjob",
+    "batchpilot.report": "batchpilot.app.report",
+    "batchpilot.datasets": "batchpilot.app.datasets",
+    "batchpilot.cli": "batchpilot.app.cli",
+}
+
+
+@pytest.mark.parametrize("old, new", sorted(ALIASES.items()))
+def test_old_path_imports_the_same_names_and_warns(old, new):
+    sys.modules.pop(old, None)  # the warning fires when the module body runs
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        alias = importlib.import_module(old)
+    target = importlib.import_module(new)
+    assert list(alias.__all__) == list(target.__all__) and target.__all__
+    for name in target.__all__:
+        assert getattr(alias, name) is getattr(target, name), name
+
+
+def test_the_library_never_imports_the_app():
+    skip = sorted({old.rpartition(".")[2] for old in ALIASES} | {"app", "__main__"})
+    code = (
+        "import importlib, pkgutil, sys, batchpilot\n"
+        f"skip = {skip!r}\n"
+        "for m in pkgutil.iter_modules(batchpilot.__path__, 'batchpilot.'):\n"
+        "    if m.name.split('.')[1] not in skip:\n"
+        "        importlib.import_module(m.name)\n"
+        "print(sorted(n for n in sys.modules if n.startswith('batchpilot.app')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
