@@ -1,9 +1,9 @@
 """The main job: train a real model on the bundled digits with every batchpilot piece switched on.
 
-1. The finder (:func:`batchpilot.find.find_batch_size`) sizes the starting micro-batch
-   under the memory limit.
-2. The engine (:class:`batchpilot.engine.Engine`) holds the global batch fixed, splits it
-   into micro-batches, recovers from OOMs and grows the micro-batch back.
+1. The engine (:class:`batchpilot.engine.Engine`) sizes its first micro-batch with the
+   finder on the first batch, holds the global batch fixed, splits it into
+   micro-batches, recovers from OOMs and grows the micro-batch back.
+2. The finder's plan (``engine.plan``) goes into the run log.
 3. The learning rate is scaled from ``lr_base`` at ``lr_base_size`` by rule
    (:func:`batchpilot.batching.scale_lr`); a cosine schedule decays it per step.
 4. An elastic batch sampler (:class:`batchpilot.data.ElasticBatchSampler`) deals the epochs.
@@ -30,13 +30,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..amp import AMP_MODES
 from ..batching import LR_SCALE_RULES, is_adaptive, scale_lr
 from ..data import ElasticBatchSampler
 from ..engine import Engine, EngineConfig, StepResult
-from ..find import find_batch_size
 from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from ..microbatch import supervised_loss
 from ..models import MLP, SmallCNN
+from ..search import STRATEGIES
 from . import report
 from .datasets import DigitsSplit, load_digits
 
@@ -54,7 +55,6 @@ DEFAULT_CPU_CAPACITY = 2 * 1024**2
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 _SCHEDULES = ("cosine", "none")
-_FINDER_STRATEGIES = ("predict", "power", "binsearch", "decay")
 
 
 class JobError(ValueError):
@@ -142,9 +142,9 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_base_scale", self.lr_base_scale, LR_SCALE_RULES)
         _choice("sched", self.sched, _SCHEDULES)
-        _choice("strategy", self.strategy, _FINDER_STRATEGIES)
+        _choice("strategy", self.strategy, tuple(STRATEGIES))
         if self.amp is not None:
-            _choice("amp", self.amp, ("bf16", "fp16"))
+            _choice("amp", self.amp, AMP_MODES)
         if not (math.isfinite(self.lr_base) and self.lr_base > 0):
             raise ValueError(f"lr_base must be a finite number above 0, got {self.lr_base}")
         if not self.weight_decay >= 0:
@@ -274,35 +274,6 @@ def _resolve_squeeze(config: TrainConfig, capacity: int | None, total_steps: int
     return _Squeeze(start=start, stop=start + steps, capacity=int(squeezed))
 
 
-def _autocast(device: torch.device, amp: str | None) -> contextlib.AbstractContextManager:
-    if amp is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
-
-
-def _find_start(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, split: DigitsSplit,
-                device: torch.device, capacity: int | None) -> Any:
-    """Run the finder on real training samples; returns its plan."""
-    generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(split.num_train, generator=generator)[: config.batch_size].numpy()
-    criterion = nn.CrossEntropyLoss()
-
-    def trial(b: int) -> None:
-        # a fresh batch of b real samples per call: only its inputs are live, as with a loader
-        inputs, targets = split.batch(order[:b])
-        inputs, targets = inputs.to(device), targets.to(device)
-        with _autocast(device, config.amp):
-            loss = criterion(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return find_batch_size(
-        trial, device=device, target=config.target, capacity=capacity, strategy=config.strategy,
-        max_batch_size=config.batch_size, restore=(model, optimizer), progress=config.progress,
-    )
-
-
 @torch.no_grad()
 def _accuracy(model: nn.Module, split: DigitsSplit, device: torch.device, batch_size: int) -> float:
     was_training = model.training
@@ -420,23 +391,24 @@ def run_training(config: TrainConfig) -> TrainResult:
                  if config.sched == "cosine" else None)
     capacity = _resolve_capacity(config, device)
     squeeze = _resolve_squeeze(config, capacity, total_steps)
-    plan_record = None
+    # None: the engine runs the finder on the first batch; an int skips it
+    start = None if config.grad_accum_steps is None else -(-config.batch_size // config.grad_accum_steps)
     with contextlib.ExitStack() as device_scope:
         if capacity is not None:
             device_scope.enter_context(emulate_capacity(capacity, device, track=(model, optimizer)))
         elif device.type == "cpu":
             # without a capacity, a storage tracker still makes the CPU's memory figures exact
             device_scope.enter_context(track_peak(device, track=(model, optimizer)))
-        if config.grad_accum_steps is None:
-            plan = _find_start(config, model, optimizer, split, device, capacity)
-            plan_record = report.plan_record(plan)
-            start = min(int(plan.batch_size), config.batch_size)
-        else:
-            start = -(-config.batch_size // config.grad_accum_steps)
         engine = Engine(
             model, optimizer, supervised_loss(nn.CrossEntropyLoss()), global_batch_size=config.batch_size,
             micro_batch_size="auto", start=start, device=device, amp=config.amp, grad_clip=config.clip_grad,
-            target=config.target, scheduler=scheduler, config=EngineConfig(grow_after=config.grow_after),
+            target=config.target, scheduler=scheduler,
+            # the capacity goes to the finder only: as EngineConfig.capacity it would pin the
+            # engine's limit, and the engine must see the squeeze through the probe
+            config=EngineConfig(
+                grow_after=config.grow_after,
+                find_options={"capacity": capacity, "strategy": config.strategy, "progress": config.progress},
+            ),
         )
         run = _train_loop(config, engine, split, device, capacity, squeeze, total_steps)
     accuracy = _accuracy(model, split, device, config.batch_size)
@@ -452,7 +424,7 @@ def run_training(config: TrainConfig) -> TrainResult:
             "sample_shape": list(split.sample_shape),
         },
         "device": str(device),
-        "plan": plan_record,
+        "plan": None if engine.plan is None else report.plan_record(engine.plan),
         "lr": {"base": config.lr_base, "base_size": config.lr_base_size, "rule": rule, "scaled": lr},
         "steps": run.steps,
         "micro_batch_changes": report.micro_batch_changes(run.steps),
