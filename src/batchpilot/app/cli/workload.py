@@ -21,9 +21,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ...amp import AMP_MODES
 from ...models import MLP, SmallCNN, TransformerBlockModel
 from ..trainjob import call_model_factory, make_optimizer
-from .common import AMP_MODES, OPTIMIZERS, UsageError
+from .common import OPTIMIZERS, UsageError
 
 __all__ = ["Workload", "load_factory", "BUILTIN_MODELS", "DEFAULT_INPUT_SHAPE"]
 
@@ -119,7 +120,7 @@ class Workload:
 
         Raises:
             UsageError: a ``--model`` that cannot be loaded.
-            batchpilot.trainjob.JobError: a factory that returns no ``nn.Module``.
+            batchpilot.app.trainjob.JobError: a factory that returns no ``nn.Module``.
         """
         spec, shape, classes = self.model_spec, self.input_shape, self.num_classes
         assert spec is not None and shape is not None
@@ -146,9 +147,15 @@ class Workload:
         """The optimizer; its learning rate does not change the memory, so a fixed one is used."""
         return make_optimizer(self.optimizer, model.parameters(), lr=1e-3)
 
-    @property
-    def amp_dtype(self) -> torch.dtype | None:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp or "")
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of ``model`` on a host batch, moved to the model's device first.
+
+        Following the model rather than naming a device lets one step serve both the real
+        trials and the planner, which runs a CPU fake copy of the model (``--plan-first``).
+        """
+        device = next(model.parameters()).device  # the optimizer already needed a parameter
+        x, y = batch
+        return nn.functional.cross_entropy(model(x.to(device)), y.to(device))
 
     def describe(self) -> dict[str, Any]:
         """The job fields of the ``find`` / ``plan`` JSON documents."""
