@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -368,11 +369,12 @@ def progress(iterable: Iterable[Any] | None = None, *, total: int | None = None,
 
 
 @contextlib.contextmanager
-def logging_through_progress(enabled: bool = True) -> Iterator[None]:
-    """Route the root logger's console output through ``tqdm.write`` while bars are shown.
+def logging_through_progress(enabled: bool = True, logger: str = "batchpilot") -> Iterator[None]:
+    """Route ``logger``'s console output through ``tqdm.write`` while bars are shown.
 
     A warning printed straight to stderr would tear a progress bar in two; through tqdm it
-    lands above the bar. Does nothing when not ``enabled``.
+    lands above the bar. The command line logs through the ``batchpilot`` logger, not the
+    root one. Does nothing when not ``enabled``.
     """
     if not enabled:
         yield
@@ -381,5 +383,5 @@ def logging_through_progress(enabled: bool = True) -> Iterator[None]:
         from tqdm.contrib.logging import logging_redirect_tqdm
     except ImportError as exc:
         raise ImportError("progress bars need tqdm: pip install 'batchpilot[cli]'") from exc
-    with logging_redirect_tqdm():
+    with logging_redirect_tqdm(loggers=[logging.getLogger(logger)]):
         yield

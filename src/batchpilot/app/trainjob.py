@@ -30,19 +30,20 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..amp import AMP_MODES
+from ..amp import AMP_MODES, amp_dtype, autocast
 from ..batching import LR_SCALE_RULES, is_adaptive, scale_lr
 from ..data import ElasticBatchSampler
 from ..engine import Engine, EngineConfig, StepResult
 from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from ..microbatch import supervised_loss
 from ..models import MLP, SmallCNN
+from ..oom import is_oom
 from ..search import STRATEGIES
 from . import report
 from .datasets import DigitsSplit, load_digits
 
 __all__ = [
-    "TrainConfig", "TrainResult", "JobError", "run_training", "call_model_factory", "make_optimizer",
+    "TrainConfig", "TrainResult", "JobError", "run_training", "call_model_factory", "check_model", "make_optimizer",
     "DEFAULT_CPU_CAPACITY", "OPTIMIZERS",
 ]
 
@@ -208,18 +209,70 @@ def call_model_factory(factory: Callable[..., nn.Module], **offered: Any) -> nn.
     A factory with ``**kwargs`` gets all of them.
 
     Raises:
-        JobError: the factory returned something other than an ``nn.Module``.
+        JobError: the factory raised, or returned something other than an ``nn.Module``.
     """
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # some C callables have no signature: offer nothing
         params = {}
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    model = factory(**{k: v for k, v in offered.items() if takes_all or k in params})
+    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    name = getattr(factory, "__qualname__", repr(factory))
+    called = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # the user's code: say what failed, not where inside batchpilot
+        raise JobError(f"the model factory {name}({called}) raised {_one_line(exc)}; fix the factory "
+                       "or the options it is given") from exc
     if not isinstance(model, nn.Module):
-        name = getattr(factory, "__qualname__", repr(factory))
         raise JobError(f"the model factory {name} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def check_model(model: nn.Module, inputs: torch.Tensor, *, num_classes: int, amp: str | None = None,
+                hint: str) -> None:
+    """Run one forward on a small batch before any search, and check it gives class scores.
+
+    A model that cannot take the inputs fails here in one sentence instead of deep inside a
+    search, and one with too few outputs here instead of as an out-of-range target (a
+    device-side assert on CUDA). The forward runs in eval mode under ``no_grad`` so that it
+    changes nothing (BatchNorm statistics, the RNG through dropout); the inputs go to the
+    model's device (a ``meta`` model checks shapes only). An out-of-memory error is left to
+    the search.
+
+    Raises:
+        JobError: the forward raised, or did not return ``(batch, >= num_classes)`` scores;
+            the message names the input shape, the problem and ``hint`` (what to check).
+    """
+    first = next(model.parameters(), None)
+    first = first if first is not None else next(model.buffers(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    x = inputs.to(device)
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(device.type, amp_dtype(amp)):
+            out = model(x)
+    except Exception as exc:
+        if is_oom(exc):
+            return
+        raise JobError(f"the model failed on a batch of input shape {tuple(x.shape)}: {_one_line(exc)}; "
+                       f"{hint}") from exc
+    finally:
+        for m, training in flags:
+            m.training = training
+    if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == len(x)
+            and out.shape[1] >= num_classes):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
+        raise JobError(f"the model returned {got} for a batch of input shape {tuple(x.shape)}; cross-entropy "
+                       f"over {num_classes} classes needs ({len(x)}, {num_classes}) scores; {hint}")
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, cut to a readable length."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= 240 else text[:237] + "..."
 
 
 def _build_model(config: TrainConfig, split: DigitsSplit) -> nn.Module:
@@ -381,6 +434,10 @@ def run_training(config: TrainConfig) -> TrainResult:
     total_steps = steps_per_epoch * config.epochs
     device = resolve_device(config.device)
     model = _build_model(config, split).to(device)
+    inputs, other = ("1x8x8 images", "64 features without") if image else ("64 features", "1x8x8 images with")
+    check_model(model, split.batch([0, 1])[0], num_classes=split.num_classes, amp=config.amp, hint=(
+        f"the digits are {inputs} in {split.num_classes} classes ({other} --image-inputs): make the model take them"
+    ))
     opt_class = _OPTIMIZER_CLASSES[config.optimizer]
     lr = scale_lr(config.lr_base, config.batch_size, config.lr_base_size, config.lr_base_scale, optimizer=opt_class)
     rule = config.lr_base_scale

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
     torch.manual_seed(args.seed)
     model = workload.build_model().to(device)
+    workload.check(model, seed=args.seed)
     optimizer = workload.make_optimizer(model)
     generator = torch.Generator().manual_seed(args.seed)
     with report.logging_through_progress(not args.no_progress):
