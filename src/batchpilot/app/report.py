@@ -1,7 +1,7 @@
 """Tables, plots, progress bars and JSON for batchpilot's command line.
 
 The optional ``cli`` extra provides matplotlib and tqdm; both are imported only
-by the functions that need them, so ``import batchpilot.report`` imports neither.
+by the functions that need them, so ``import batchpilot.app.report`` imports neither.
 Plots use matplotlib's object API with the Agg canvas (no pyplot, no global
 backend switch), at a fixed size: :data:`FIGURE_SIZE_PX`.
 

@@ -12,7 +12,7 @@
    A *squeeze* lowers the capacity for a window of steps, as another job grabbing memory
    would: the engine runs out of memory, shrinks, and grows back when the memory returns.
 
-The run log is a plain dict (schema: :mod:`batchpilot.report`), written with the plot to
+The run log is a plain dict (schema: :mod:`batchpilot.app.report`), written with the plot to
 ``out`` when given. Nothing here prints; progress goes to a tqdm bar on stderr.
 """
 

@@ -63,7 +63,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def find_document(workload: Workload, plan: Any, device: torch.device) -> dict[str, Any]:
-    """The ``find`` JSON document (schema in :mod:`batchpilot.report`)."""
+    """The ``find`` JSON document (schema in :mod:`batchpilot.app.report`)."""
     return {
         "schema_version": report.SCHEMA_VERSION,
         "command": "find",

@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def plan_document(workload: Workload, result: PlanResult) -> dict[str, Any]:
-    """The ``plan`` JSON document (schema in :mod:`batchpilot.report`)."""
+    """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`)."""
     est = result.estimate
     return {
         "schema_version": report.SCHEMA_VERSION,
