@@ -1,8 +1,9 @@
-"""Deprecated alias of :mod:`batchpilot.app.cli`, kept for old ``batchpilot.cli:main`` entry points."""
+"""The command line's old path, kept for ``batchpilot.cli:main`` console scripts of earlier installs.
 
-import warnings
+It does not warn: such a script imports it from ``__main__`` on every run, where a
+``DeprecationWarning`` would be shown to users who never wrote the import. New code
+imports :mod:`batchpilot.app.cli`.
+"""
 
 from ..app.cli import *  # noqa: F401,F403
 from ..app.cli import __all__  # noqa: F401
-
-warnings.warn("batchpilot.cli is deprecated; import batchpilot.app.cli", DeprecationWarning, stacklevel=2)
