@@ -51,7 +51,7 @@ from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track
 from batchpilot.models import MLP  # noqa: E402
 from batchpilot.oom import attempt, free_memory  # noqa: E402
 from batchpilot.plan import default_step, estimate_peak_memory  # noqa: E402
-from batchpilot.report import format_table, write_json  # noqa: E402
+from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.snapshot import StateSnapshot  # noqa: E402
 
 COLUMNS = ("model", "check", "setting", "batchpilot", "measured", "error / ratio")

@@ -70,7 +70,7 @@ QUICK_METHODS = (*BATCHPILOT, *LIGHTNING, "accelerate")
 REFERENCE = "batchpilot-predict"
 COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "emulated", "seconds", "x predict", "outcome")
 # Imported once by the fork server, so that every measurement starts with them loaded.
-PRELOAD = ("torch", "_harness", "peers", "batchpilot.find", "batchpilot.report", "lightning",
+PRELOAD = ("torch", "_harness", "peers", "batchpilot.find", "batchpilot.app.report", "lightning",
            "lightning.pytorch.tuner", "accelerate", "accelerate.utils")
 _runners: dict[str, ForkRunner] = {}
 
@@ -389,7 +389,7 @@ def _fmt(v: Any, digits: int = 2) -> Any:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    from batchpilot.report import format_table
+    from batchpilot.app.report import format_table
 
     return format_table(COLUMNS, [
         (r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")), _fmt(r.get("trials")),
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result["rows"]))
     print(f"total {result['seconds']:.0f} s")
     if args.json is not None:
-        from batchpilot.report import write_json
+        from batchpilot.app.report import write_json
 
         write_json(result, args.json)
         print(f"wrote {args.json}")

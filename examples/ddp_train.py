@@ -36,7 +36,7 @@ from batchpilot.models import MLP
 def load_data() -> TensorDataset:
     """The bundled digits (scikit-learn) when installed, else a synthetic stand-in of the same shape."""
     try:
-        from batchpilot.datasets import load_digits
+        from batchpilot.app.datasets import load_digits
 
         split = load_digits()
         return TensorDataset(torch.from_numpy(split.train_x), torch.from_numpy(split.train_y))

@@ -28,8 +28,8 @@ _LAZY = {
     "DistributedCoordinator": "distributed",
     "find_batch_size_distributed": "distributed",
     "init_distributed": "distributed",
-    "TrainConfig": "trainjob",
-    "run_training": "trainjob",
+    "TrainConfig": "app.trainjob",
+    "run_training": "app.trainjob",
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""``batchpilot train``: the main job (see :mod:`batchpilot.trainjob`)."""
+"""``batchpilot train``: the main job (see :mod:`batchpilot.app.trainjob`)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from typing import Any
 
 import torch
 
+from ...amp import AMP_MODES
+from ...batching import LR_SCALE_RULES
+from ...memory import format_bytes
+from ...search import STRATEGIES
 from .. import report
-from ..batching import LR_SCALE_RULES
-from ..memory import format_bytes
 from ..trainjob import DEFAULT_CPU_CAPACITY, OPTIMIZERS, TrainConfig, TrainResult, run_training
 from .common import (
-    AMP_MODES, UsageError, add_verbose, byte_size, device_or_fail, fraction, non_negative_int, positive_float, positive_int,
+    UsageError, add_verbose, byte_size, device_or_fail, fraction, non_negative_int, positive_float, positive_int,
 )
 from .workload import load_factory
 
 __all__ = ["add_parser", "run"]
-
-_STRATEGIES = ("predict", "power", "binsearch", "decay")
 
 
 def _capacity(text: str) -> int | str | None:
@@ -94,7 +94,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "device elsewhere; none = the whole device (default: %(default)s)")
     m.add_argument("--target", metavar="FRACTION", type=fraction, default=0.8,
                    help="fraction of the capacity to aim for, below 0.95 (default: %(default)s)")
-    m.add_argument("--strategy", choices=_STRATEGIES, default="predict",
+    m.add_argument("--strategy", choices=tuple(STRATEGIES), default="predict",
                    help="the finder's search strategy (default: %(default)s)")
     m.add_argument("--grow-after", metavar="STEPS", type=positive_int, default=10,
                    help="clean steps before the engine tries a larger micro-batch (default: %(default)s)")

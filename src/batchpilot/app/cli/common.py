@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from ..memory import parse_bytes, resolve_device
+from ...amp import AMP_MODES
+from ...memory import parse_bytes, resolve_device
 from ..trainjob import OPTIMIZERS
 
 __all__ = [
@@ -23,10 +24,7 @@ __all__ = [
     "add_verbose",
     "device_or_fail",
     "OPTIMIZERS",
-    "AMP_MODES",
 ]
-
-AMP_MODES = ("bf16", "fp16")
 
 
 class UsageError(Exception):

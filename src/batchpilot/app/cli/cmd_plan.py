@@ -6,11 +6,11 @@ import argparse
 import sys
 from typing import Any
 
+from ...gpus import GPUS, gpu_spec
+from ...memory import format_bytes
+from ...plan import PlanningError, PlanResult, plan_batch_size
+from ...search import NothingFitsError
 from .. import report
-from ..gpus import GPUS, gpu_spec
-from ..memory import format_bytes
-from ..plan import PlanningError, PlanResult, plan_batch_size
-from ..search import NothingFitsError
 from ..trainjob import make_optimizer
 from .common import UsageError, add_fit_options, add_model_options, add_verbose, byte_size, positive_int
 from .workload import Workload
@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def plan_document(workload: Workload, result: PlanResult) -> dict[str, Any]:
-    """The ``plan`` JSON document (schema in :mod:`batchpilot.report`)."""
+    """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`)."""
     est = result.estimate
     return {
         "schema_version": report.SCHEMA_VERSION,
@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if args.device == "cpu":
             raise UsageError("--gpu plans for a CUDA device; drop --device cpu")
     model = workload.build_model()
+    workload.check(model)
     optimizer_name = workload.optimizer
     try:
         result = plan_batch_size(

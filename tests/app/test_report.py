@@ -1,4 +1,4 @@
-"""Tables, JSON, plots and progress bars of batchpilot.report; the bundled digits of batchpilot.datasets."""
+"""Tables, JSON, plots and progress bars of batchpilot.app.report; the bundled digits of batchpilot.app.datasets."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from batchpilot import report
-from batchpilot.datasets import load_digits
+from batchpilot.app import report
+from batchpilot.app.datasets import load_digits
 from batchpilot.find import BatchPlan, MemoryFit
 from batchpilot.search import Trial
-from batchpilot.trainjob import TrainConfig
+from batchpilot.app.trainjob import TrainConfig
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -186,7 +186,7 @@ def test_progress_is_tqdm_and_silent_when_disabled(capsys):
 def test_report_imports_neither_matplotlib_nor_tqdm():
     # torch may import tqdm itself, so compare what importing report adds
     code = (
-        "import sys, torch; before = set(sys.modules); import batchpilot.report; "
+        "import sys, torch; before = set(sys.modules); import batchpilot.app.report; "
         "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('matplotlib', 'tqdm')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot import report
-from batchpilot.cli import build_parser, main
+from batchpilot.app import report
+from batchpilot.app.cli import build_parser, main
 from batchpilot.models import MLP
 
 from test_report import png_size
@@ -36,10 +37,10 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def cli(capsys):
     """Run ``main(argv)`` in this process; returns ``(status, stdout, stderr)``.
 
-    The CLI owns logging and the thread count when it runs; both are put back afterwards.
+    ``main`` puts logging back itself (a test below checks); the thread count the train
+    command sets is put back here.
     """
-    root = logging.getLogger()
-    saved = (root.handlers[:], root.level, torch.get_num_threads())
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as run_cli: busy shared cores, tiny models
 
     def call(*argv: str) -> tuple[int, str, str]:
@@ -51,8 +52,7 @@ def cli(capsys):
         return status, out, err
 
     yield call
-    root.handlers[:], root.level = saved[0], saved[1]
-    torch.set_num_threads(saved[2])
+    torch.set_num_threads(threads)
 
 
 def assert_user_error(proc_or_err: str, status: int, expected: int) -> None:
@@ -339,3 +339,208 @@ def test_find_plan_first_needs_predict():
                    "--strategy", "power", "--no-progress")
     assert proc.returncode == 2
     assert "--plan-first" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# A user's mistake is one or two lines on stderr that name the fix: never a traceback, never torch's logs
+
+# torch's own log format (glog: level letter, MMDD, time, pid, file:line) and its internal loggers
+_TORCH_LOG = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d|torch\._subclasses|fake_tensor|torch\._dynamo", re.M)
+
+
+def assert_clean_error(err: str, status: int, expected: int, *needles: str) -> None:
+    """Exit ``expected``, at most two lines starting ``batchpilot``, each of ``needles`` named."""
+    assert status == expected, err
+    assert "Traceback" not in err, err
+    assert not _TORCH_LOG.search(err), err
+    lines = err.strip().splitlines()
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("batchpilot "), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def _write(path: Path, source: str) -> Path:
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+_RAISING_FACTORY = """
+    def build(**kw):
+        raise ValueError("bad config")
+"""
+# an MLP that expects 64 features, and one that gives 5 class scores
+_MLP64_FACTORY = """
+    import torch.nn as nn
+
+    def build(num_classes):
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, num_classes))
+
+    def five(**kw):
+        return nn.Linear(64, 5)
+"""
+
+
+@pytest.mark.parametrize("command", [
+    ("find", "--capacity", "2MiB", "--no-progress"),
+    ("plan", "--capacity", "1GiB"),
+    ("train", "--no-progress", "--no-plot", "--epochs", "1"),
+])
+def test_a_factory_that_raises_exits_2(cli, tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)  # train would write runs/latest here
+    factory = _write(tmp_path / "bad_factory.py", _RAISING_FACTORY)
+    status, out, err = cli(*command, "--model", f"{factory}:build")
+    assert_clean_error(err, status, 2, "build(", "raised ValueError: bad config", "fix the factory")
+    assert out == ""
+
+
+@pytest.mark.parametrize("command", [("find", "--capacity", "2MiB", "--no-progress"), ("plan", "--capacity", "1GiB")])
+def test_an_input_shape_the_model_cannot_take_exits_2(cli, tmp_path, command):
+    factory = _write(tmp_path / "mlp64.py", _MLP64_FACTORY)
+    status, out, err = cli(*command, "--model", f"{factory}:build", "--input-shape", "32")
+    assert_clean_error(err, status, 2, "input shape (2, 32)", "mat1 and mat2 shapes cannot be multiplied",
+                       "check --input-shape")
+    assert out == ""
+
+
+def test_too_few_class_scores_exits_2_before_any_trial(cli, tmp_path):
+    # with 10 classes a target of 9 would be out of range: an IndexError on CPU, a device assert on CUDA
+    factory = _write(tmp_path / "mlp64.py", _MLP64_FACTORY)
+    status, out, err = cli("find", "--model", f"{factory}:five", "--input-shape", "64", "--capacity", "2MiB",
+                           "--no-progress")
+    assert_clean_error(err, status, 2, "shape (2, 5)", "10 classes", "--num-classes")
+
+
+def test_train_checks_a_factory_model_against_the_digits(cli, tmp_path):
+    factory = _write(tmp_path / "wrong_width.py", """
+        import torch.nn as nn
+
+        def build(num_classes):
+            return nn.Linear(32, num_classes)
+    """)
+    status, out, err = cli("train", "--model", f"{factory}:build", "--no-progress", "--no-plot", "--epochs", "1",
+                           "--out", str(tmp_path))
+    assert_clean_error(err, status, 2, "input shape (2, 64)", "64 features", "--image-inputs")
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_very_verbose_shows_the_traceback_of_a_user_error(cli, tmp_path):
+    factory = _write(tmp_path / "bad_factory.py", _RAISING_FACTORY)
+    status, _, err = cli("plan", "-vv", "--capacity", "1GiB", "--model", f"{factory}:build")
+    assert status == 2
+    assert err.startswith("batchpilot plan: error: the model factory build")
+    assert "Traceback" in err and 'raise ValueError("bad config")' in err  # the user's own line
+
+
+@pytest.mark.parametrize("model", [
+    # .item() on data: fake tensors have no data
+    """
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.lin(x) * (int((x > 0).sum().item()) % 3 + 1)
+    """,
+    # runs on a batch of 2 only, so the smoke check passes and the planner's meta kernel fails
+    # at batch 1, which torch logs with its whole traceback
+    """
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(128, 20)
+
+        def forward(self, x):
+            return self.lin(x.reshape(1, -1)).reshape(-1, 10)
+    """,
+], ids=["item", "meta-kernel-error"])
+def test_plan_on_a_model_fake_tensors_cannot_run_is_one_line(tmp_path, model):
+    factory = _write(tmp_path / "unplannable.py", textwrap.dedent(model) + "\n\ndef build(**kw):\n    return Net()\n")
+    proc = run_cli("plan", "--model", f"{factory}:build", "--input-shape", "64", "--capacity", "1GiB")
+    assert_clean_error(proc.stderr, proc.returncode, 2, "fake tensors", "run the finder")
+    assert proc.stdout == ""
+
+
+def test_version(cli):
+    import batchpilot
+
+    status, out, err = cli("--version")
+    assert status == 0 and err == ""
+    assert out.strip() == f"batchpilot {batchpilot.__version__}"
+
+
+def test_module_function_is_found_in_the_current_directory(cli, tmp_path, monkeypatch):
+    # as with `python -m`: the console script's sys.path starts with its bin directory, not the cwd
+    name = "cwd_model_for_batchpilot"
+    _write(tmp_path / f"{name}.py", _MLP64_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    path_before = list(sys.path)
+    try:
+        status, out, err = cli("plan", "--model", f"{name}:build", "--input-shape", "64", "--capacity", "1MiB",
+                               "--json")
+    finally:
+        sys.modules.pop(name, None)
+    assert status == 0, err
+    assert json.loads(out)["model"] == f"{name}:build"
+    assert sys.path == path_before  # the cwd was on the path for that import only
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("fnd",), "invalid choice: 'fnd'"),
+    (("find", "--capcity", "2GiB"), "unrecognized arguments: --capcity"),
+    (("plan", "--gpu", "H100-80GB", "--capacity", "1GiB"), "not allowed with"),
+])
+def test_typos_are_argparse_usage_errors(cli, argv, needle):
+    status, out, err = cli(*argv)
+    assert status == 2 and out == "" and "Traceback" not in err
+    lines = err.strip().splitlines()
+    # one usage (wrapped to the terminal's width for a command's many options), then the error
+    assert lines[0].startswith("usage: batchpilot") and err.count("usage:") == 1, err
+    assert lines[-1].startswith("batchpilot") and needle in lines[-1], err
+
+
+def test_find_plan_first_on_an_unplannable_model_notes_it_and_searches(cli, tmp_path):
+    factory = _write(tmp_path / "item_net.py", """
+        import torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(64, 10)
+
+            def forward(self, x):
+                return self.lin(x) * (int((x > 0).sum().item()) % 3 + 1)
+
+        def build(**kw):
+            return Net()
+    """)
+    status, out, err = cli("find", "--model", f"{factory}:build", "--input-shape", "64", "--capacity", "4MiB",
+                           "--plan-first", "--json", "--no-progress")
+    assert status == 0, err
+    assert err.strip().splitlines() == [
+        "batchpilot find: note: --plan-first found no plan to start from (-v says why); searched unseeded"]
+    doc = json.loads(out)
+    assert doc["stop_reason"] == "boundary" and doc["num_trials"] > 2
+
+
+def test_strategy_choices_are_the_library_strategies():
+    from batchpilot.search import STRATEGIES
+
+    subs = _subparsers(build_parser())
+    for command in ("find", "train"):
+        action = next(a for a in subs[command]._actions if "--strategy" in a.option_strings)
+        assert set(action.choices) == set(STRATEGIES), command
+
+
+def test_main_shows_only_the_batchpilot_logger_and_puts_logging_back(cli):
+    ours, root = logging.getLogger("batchpilot"), logging.getLogger()
+    fake = logging.getLogger("torch._subclasses.fake_tensor")
+    before = (ours.handlers[:], ours.level, ours.propagate, root.handlers[:], root.level, fake.level)
+    status, _, err = cli("plan", "-v", "--model", "mlp", "--capacity", "16MiB")
+    assert status == 0
+    assert "INFO batchpilot.plan: planned batch" in err  # -v: our INFO lines, through our handler
+    assert (ours.handlers, ours.level, ours.propagate, root.handlers, root.level, fake.level) == before

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from typing import Any
 
 import torch
 
+from ...find import find_batch_size_for
+from ...memory import format_bytes
+from ...search import STRATEGIES
 from .. import report
-from ..find import find_batch_size
-from ..memory import format_bytes
 from .common import (
     UsageError, add_fit_options, add_model_options, add_verbose, byte_size, device_or_fail, positive_int,
 )
 from .workload import Workload
 
 __all__ = ["add_parser", "run", "find_document"]
-
-_STRATEGIES = ("predict", "power", "binsearch", "decay")
 _STOPS = {
     "boundary": "exact: one more sample does not fit",
     "max_batch_size": "capped by --max-batch-size",
@@ -45,7 +43,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "unless --max-batch-size bounds the search (default on accelerators: the whole device)")
     add_fit_options(p)
     s = p.add_argument_group("search")
-    s.add_argument("--strategy", choices=_STRATEGIES, default="predict",
+    s.add_argument("--strategy", choices=tuple(STRATEGIES), default="predict",
                    help="predict: fit memory = fixed + per-sample x batch from small trials and verify the answer "
                         "(fewest trials); power, binsearch: Lightning's; decay: timm's (default: %(default)s)")
     s.add_argument("--min-batch-size", metavar="N", type=positive_int, default=1,
@@ -65,7 +63,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def find_document(workload: Workload, plan: Any, device: torch.device) -> dict[str, Any]:
-    """The ``find`` JSON document (schema in :mod:`batchpilot.report`)."""
+    """The ``find`` JSON document (schema in :mod:`batchpilot.app.report`)."""
     return {
         "schema_version": report.SCHEMA_VERSION,
         "command": "find",
@@ -93,33 +91,6 @@ def _human(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _planned_guess(
-    args: argparse.Namespace, workload: Workload, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    device: torch.device,
-) -> int | None:
-    """The planner's answer for this step and limit, or ``None`` when it cannot plan one."""
-    # imported here: fake tensors are only needed when a plan is asked for
-    from ..memory import get_probe
-    from ..plan import PlanningError, plan_batch_size
-
-    if args.strategy != "predict":
-        raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
-    capacity = args.capacity if args.capacity is not None else get_probe(device).capacity()
-    sample = workload.make_batch(2, generator=torch.Generator().manual_seed(args.seed), device="cpu")
-    try:
-        planned = plan_batch_size(
-            model, sample, capacity=capacity, target=args.target, optimizer=optimizer, amp=args.amp,
-            steps=args.steps_per_trial, device="cuda" if device.type == "cuda" else "cpu",
-            max_batch_size=args.max_batch_size or 1 << 20,
-        )
-    except PlanningError as exc:
-        print(f"batchpilot: --plan-first: cannot plan this model ({exc}); searching unseeded", file=sys.stderr)
-        return None
-    if planned.batch_size < args.min_batch_size:
-        return None
-    return planned.batch_size
-
-
 def run(args: argparse.Namespace) -> int:
     workload = Workload(model_spec=args.model, input_shape=args.input_shape, num_classes=args.num_classes,
                         optimizer=args.optimizer, amp=args.amp)
@@ -131,34 +102,27 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.max_batch_size is not None and args.max_batch_size < args.min_batch_size:
         raise UsageError(f"--min-batch-size {args.min_batch_size} is above --max-batch-size {args.max_batch_size}")
+    if args.plan_first and args.strategy != "predict":
+        raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
     torch.manual_seed(args.seed)
     model = workload.build_model().to(device)
+    workload.check(model, seed=args.seed)
     optimizer = workload.make_optimizer(model)
     generator = torch.Generator().manual_seed(args.seed)
-    criterion = torch.nn.CrossEntropyLoss()
-    autocast_dtype = workload.amp_dtype
-
-    def step(b: int) -> None:
-        # a fresh batch per step: only this batch's inputs are live, as when a loader feeds the device
-        x, y = workload.make_batch(b, generator=generator, device=device)
-        ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            loss = criterion(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    first_guess = None
-    if args.plan_first:
-        first_guess = _planned_guess(args, workload, model, optimizer, device)
-    # with a capacity the finder runs its trials under emulate_capacity itself
     with report.logging_through_progress(not args.no_progress):
-        plan = find_batch_size(
-            step, device=device, target=args.target, capacity=args.capacity, strategy=args.strategy,
-            min_batch_size=args.min_batch_size, max_batch_size=args.max_batch_size,
-            steps_per_trial=args.steps_per_trial, restore=(model, optimizer), progress=not args.no_progress,
-            first_guess=first_guess,
+        # a fresh host batch per step (only its inputs are live, as when a loader feeds the
+        # device); workload.loss moves it to the model's device, which for --plan-first is
+        # the planner's CPU fake copy: a batch made on CUDA could not be planned
+        plan = find_batch_size_for(
+            model, lambda b: workload.make_batch(b, generator=generator), optimizer=optimizer,
+            forward=workload.loss, amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
+            capacity=args.capacity, strategy=args.strategy, min_batch_size=args.min_batch_size,
+            max_batch_size=args.max_batch_size, steps_per_trial=args.steps_per_trial,
+            progress=not args.no_progress,
         )
+    if args.plan_first and plan.seeded_by is None:
+        print("batchpilot find: note: --plan-first found no plan to start from (-v says why); searched unseeded",
+              file=sys.stderr)
     doc = find_document(workload, plan, device)
     print(report.to_json(doc) if args.json else _human(doc))
     sys.stdout.flush()

@@ -1,7 +1,8 @@
 """What ``find`` and ``plan`` size a batch for: a model from ``--model``, its inputs, loss and optimizer.
 
 ``--model`` is a built-in name (``mlp``, ``cnn``, ``transformer``), ``MODULE:FUNCTION``
-(imported like ``python -m``), or ``path/to/file.py:FUNCTION`` (loaded from the file).
+(imported like ``python -m``: the current directory comes first), or
+``path/to/file.py:FUNCTION`` (loaded from the file).
 The function is a factory returning an ``nn.Module``; it is called with the keyword
 arguments ``num_classes`` and ``input_shape`` that its signature accepts (``**kwargs``
 accepts both). Inputs are random: float tensors of ``--input-shape`` per sample, or
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +23,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..models import MLP, SmallCNN, TransformerBlockModel
-from ..trainjob import call_model_factory, make_optimizer
-from .common import AMP_MODES, OPTIMIZERS, UsageError
+from ...amp import AMP_MODES
+from ...models import MLP, SmallCNN, TransformerBlockModel
+from ..trainjob import call_model_factory, check_model, make_optimizer
+from .common import OPTIMIZERS, UsageError
 
 __all__ = ["Workload", "load_factory", "BUILTIN_MODELS", "DEFAULT_INPUT_SHAPE"]
 
@@ -61,14 +64,32 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
             sys.modules.pop(name, None)
             raise UsageError(f"--model {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
     else:
-        try:
-            module = importlib.import_module(module_ref)
-        except ImportError as exc:
-            raise UsageError(f"--model {spec!r}: cannot import {module_ref!r}: {exc}") from exc
+        module = _import_from_cwd(spec, module_ref)
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise UsageError(f"--model {spec!r}: {module_ref!r} has no callable {attr!r}")
     return factory
+
+
+def _import_from_cwd(spec: str, module_ref: str) -> Any:
+    """Import ``module_ref`` as ``python -m`` would: the current directory first, for this import only.
+
+    The ``batchpilot`` console script's ``sys.path`` starts with its own bin directory, not
+    the directory the user is in.
+    """
+    cwd = os.getcwd()
+    added = cwd not in {os.path.abspath(p or os.curdir) for p in sys.path}
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_ref)
+    except ImportError as exc:
+        raise UsageError(f"--model {spec!r}: cannot import {module_ref!r}: {exc}") from exc
+    except Exception as exc:
+        raise UsageError(f"--model {spec!r}: importing {module_ref!r} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 @dataclass(kw_only=True)
@@ -119,7 +140,7 @@ class Workload:
 
         Raises:
             UsageError: a ``--model`` that cannot be loaded.
-            batchpilot.trainjob.JobError: a factory that returns no ``nn.Module``.
+            batchpilot.app.trainjob.JobError: a factory that raises or returns no ``nn.Module``.
         """
         spec, shape, classes = self.model_spec, self.input_shape, self.num_classes
         assert spec is not None and shape is not None
@@ -146,9 +167,26 @@ class Workload:
         """The optimizer; its learning rate does not change the memory, so a fixed one is used."""
         return make_optimizer(self.optimizer, model.parameters(), lr=1e-3)
 
-    @property
-    def amp_dtype(self) -> torch.dtype | None:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp or "")
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of ``model`` on a host batch, moved to the model's device first.
+
+        Following the model rather than naming a device lets one step serve both the real
+        trials and the planner, which runs a CPU fake copy of the model (``--plan-first``).
+        """
+        device = next(model.parameters()).device  # the optimizer already needed a parameter
+        x, y = batch
+        return nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+
+    def check(self, model: nn.Module, *, seed: int = 0) -> None:
+        """One forward at a batch of 2, before any search (:func:`~batchpilot.app.trainjob.check_model`).
+
+        Raises:
+            batchpilot.app.trainjob.JobError: the model cannot take these inputs or gives
+                too few class scores; the message says which options to check.
+        """
+        inputs, _ = self.make_batch(2, generator=torch.Generator().manual_seed(seed))
+        check_model(model, inputs, num_classes=self.num_classes, amp=self.amp,
+                    hint="check --input-shape and --num-classes")
 
     def describe(self) -> dict[str, Any]:
         """The job fields of the ``find`` / ``plan`` JSON documents."""

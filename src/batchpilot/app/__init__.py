@@ -1,0 +1,9 @@
+"""The demo application on top of the library: the ``batchpilot`` command, reports, the main job.
+
+Nothing in the library imports this package. Its modules: :mod:`~batchpilot.app.cli`
+(``batchpilot find | plan | train``), :mod:`~batchpilot.app.trainjob` (the main job),
+:mod:`~batchpilot.app.report` (tables, plots, JSON schemas) and
+:mod:`~batchpilot.app.datasets` (the bundled digits).
+"""
+
+__all__ = ["cli", "datasets", "report", "trainjob"]

@@ -1,0 +1,387 @@
+"""Tables, plots, progress bars and JSON for batchpilot's command line.
+
+The optional ``cli`` extra provides matplotlib and tqdm; both are imported only
+by the functions that need them, so ``import batchpilot.app.report`` imports neither.
+Plots use matplotlib's object API with the Agg canvas (no pyplot, no global
+backend switch), at a fixed size: :data:`FIGURE_SIZE_PX`.
+
+JSON documents are plain dicts; :func:`to_json` renders them (strict JSON: NaN and
+infinities become ``null``) and :data:`SCHEMAS` lists the exact keys of each kind and of
+their nested records. That is a stable contract, version :data:`SCHEMA_VERSION`: keys
+are never renamed or removed without a version bump. Sizes are bytes, times seconds.
+
+``find`` (``batchpilot find --json``)::
+
+    schema_version, command="find",
+    model, input_shape [int], num_classes, optimizer, amp (null|"bf16"|"fp16"), device,
+    strategy, target, capacity_bytes, limit_bytes,
+    batch_size                the answer: the largest batch whose peak <= limit_bytes
+    stop_reason               "boundary" | "max_batch_size" | "strategy" | "max_trials"
+    steps_per_trial,
+    fit                       {fixed_bytes, bytes_per_sample} | null
+    trials                    [{batch_size, outcome "fit"|"over_target"|"oom",
+                                peak_bytes|null, start_bytes|null, seconds}]
+    num_trials, num_ooms, seconds
+
+``plan`` (``batchpilot plan --json``)::
+
+    schema_version, command="plan",
+    model, input_shape, num_classes, optimizer, amp,
+    gpu (name|null), device ("cpu"|"cuda"), target, capacity_bytes, limit_bytes,
+    batch_size                the largest batch whose required bytes <= limit_bytes
+    estimate                  at batch_size: {peak_bytes, parameters, buffers, inputs,
+                                gradients, optimizer_state, activations, allocated_bytes,
+                                reserved_bytes, context_bytes, required_bytes}
+    next_required_bytes       at batch_size + 1 (over the limit), or null
+    evaluations               [{batch_size, required_bytes}], every size tried
+    seconds
+
+``train`` (``run.json``, and ``batchpilot train --json``)::
+
+    schema_version, command="train",
+    config                    every TrainConfig option, by name
+    dataset                   {name, num_train, num_held_out, num_classes, sample_shape}
+    device,
+    plan                      the finder's plan: the ``find`` keys from strategy on, or
+                              null when --grad-accum-steps skipped the finder
+    lr                        {base, base_size, rule "linear"|"sqrt"|"none", scaled}
+    steps                     [{step, epoch, loss, micro_batch_size, accum_steps, ooms,
+                                peak_bytes, capacity_bytes|null, seconds}]
+    micro_batch_changes       [{step, from, to}]
+    accuracy                  held-out accuracy in [0, 1]
+    samples_seen, optimizer_steps, total_ooms, seconds
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from ..memory import format_bytes
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SCHEMAS",
+    "FIGURE_SIZE_PX",
+    "plan_record",
+    "to_json",
+    "write_json",
+    "format_table",
+    "trials_table",
+    "micro_batch_changes",
+    "plot_memory_fit",
+    "plot_run_timeline",
+    "save_run_plot",
+    "progress",
+    "logging_through_progress",
+]
+
+SCHEMA_VERSION = 1
+
+_PLAN_KEYS = frozenset({
+    "strategy", "target", "capacity_bytes", "limit_bytes", "batch_size", "stop_reason", "steps_per_trial",
+    "fit", "trials", "num_trials", "num_ooms", "seconds",
+})
+_JOB_KEYS = frozenset({"schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp"})
+
+#: The exact keys of each JSON document (and of its nested records).
+SCHEMAS: dict[str, frozenset[str]] = {
+    "find": _JOB_KEYS | _PLAN_KEYS | {"device"},
+    "plan": _JOB_KEYS | {
+        "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "estimate",
+        "next_required_bytes", "evaluations", "seconds",
+    },
+    "plan.estimate": frozenset({
+        "peak_bytes", "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
+        "allocated_bytes", "reserved_bytes", "context_bytes", "required_bytes",
+    }),
+    "plan.evaluation": frozenset({"batch_size", "required_bytes"}),
+    "train": frozenset({
+        "schema_version", "command", "config", "dataset", "device", "plan", "lr", "steps",
+        "micro_batch_changes", "accuracy", "samples_seen", "optimizer_steps", "total_ooms", "seconds",
+    }),
+    "train.plan": _PLAN_KEYS,
+    "trial": frozenset({"batch_size", "outcome", "peak_bytes", "start_bytes", "seconds"}),
+    "fit": frozenset({"fixed_bytes", "bytes_per_sample"}),
+    "lr": frozenset({"base", "base_size", "rule", "scaled"}),
+    "step": frozenset({
+        "step", "epoch", "loss", "micro_batch_size", "accum_steps", "ooms", "peak_bytes",
+        "capacity_bytes", "seconds",
+    }),
+    "dataset": frozenset({"name", "num_train", "num_held_out", "num_classes", "sample_shape"}),
+    "train.config": frozenset({
+        "model", "image_inputs", "epochs", "batch_size", "grad_accum_steps", "optimizer", "lr_base",
+        "lr_base_size", "lr_base_scale", "weight_decay", "sched", "clip_grad", "amp", "device", "target",
+        "capacity", "strategy", "grow_after", "squeeze_at", "squeeze_steps", "squeeze_capacity", "held_out",
+        "seed", "out", "plot", "progress",
+    }),
+    "micro_batch_change": frozenset({"step", "from", "to"}),
+}
+
+#: Width and height in pixels of every PNG written here.
+FIGURE_SIZE_PX = (1200, 450)
+_DPI = 100
+
+_OUTCOME_STYLE = {  # outcome -> (colour, marker, legend label)
+    "fit": ("tab:green", "o", "fits"),
+    "over_target": ("tab:orange", "s", "over target"),
+    "oom": ("tab:red", "x", "out of memory"),
+}
+
+
+# ---------------------------------------------------------------------------
+# JSON
+
+
+def _plain(obj: Any) -> Any:
+    # numpy / torch scalars, tuples and paths reach the JSON documents from many places
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (str, bool, int)) or obj is None:
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None  # JSON has no NaN / inf
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if hasattr(obj, "item"):
+        return _plain(obj.item())
+    return str(obj)
+
+
+def to_json(doc: Mapping[str, Any], *, indent: int | None = 2) -> str:
+    """Render a document as strict JSON (NaN and infinities become ``null``)."""
+    return json.dumps(_plain(doc), indent=indent, allow_nan=False)
+
+
+def write_json(doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``doc`` to ``path`` (parents created) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json(doc) + "\n")
+    return path
+
+
+def _int_or_none(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def plan_record(plan: Any) -> dict[str, Any]:
+    """The finder's plan (``BatchPlan`` or its ``to_dict()``) in this module's stable schema.
+
+    Only the documented keys are kept, under the documented names, so that a new field in
+    the finder never changes a JSON document by accident.
+    """
+    d = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
+    fit = d.get("fit")
+    if fit is not None and not isinstance(fit, Mapping):
+        fit = {"fixed_bytes": fit.fixed_bytes, "bytes_per_sample": fit.bytes_per_sample}
+    trials = [
+        {"batch_size": int(t["batch_size"]), "outcome": t["outcome"],
+         "peak_bytes": _int_or_none(t.get("peak_bytes")), "start_bytes": _int_or_none(t.get("start_bytes")),
+         "seconds": float(t["seconds"])}
+        for t in (x.to_dict() if hasattr(x, "to_dict") else x for x in d["trials"])
+    ]
+    return {
+        "strategy": d["strategy"],
+        "target": float(d["target"]),
+        "capacity_bytes": int(d["capacity"] if "capacity" in d else d["capacity_bytes"]),
+        "limit_bytes": int(d["limit_bytes"]),
+        "batch_size": int(d["batch_size"]),
+        "stop_reason": d.get("stop_reason"),
+        "steps_per_trial": d.get("steps_per_trial"),
+        "fit": None if fit is None else {"fixed_bytes": int(round(fit["fixed_bytes"])),
+                                         "bytes_per_sample": int(round(fit["bytes_per_sample"]))},
+        "trials": trials,
+        "num_trials": len(trials),
+        "num_ooms": sum(t["outcome"] == "oom" for t in trials),
+        "seconds": float(d["seconds"]),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Tables
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Plain aligned columns: text left-aligned, numbers right-aligned."""
+    rows = [["" if v is None else v for v in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [[str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(r[i], (int, float)) or r[i] == "" for r in rows) and bool(rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def trials_table(trials: Sequence[Mapping[str, Any]]) -> str:
+    """The finder's trials, one row each, in the order they ran."""
+    def peak(t: Mapping[str, Any]) -> str:
+        if t.get("peak_bytes") is None:
+            return "-"
+        # an OOM's figure is what was live when it failed: a lower bound of its peak
+        return (">= " if t["outcome"] == "oom" else "") + format_bytes(t["peak_bytes"])
+
+    rows = [
+        (i, t["batch_size"], t["outcome"], peak(t), f"{t['seconds']:.3f}" if t.get("seconds") is not None else "-")
+        for i, t in enumerate(trials, 1)
+    ]
+    return format_table(("#", "batch", "outcome", "peak memory", "seconds"), rows)
+
+
+def micro_batch_changes(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
+    """Where the micro-batch size changed over a run: ``[{step, from, to}]``."""
+    changes = []
+    for prev, cur in zip(steps, steps[1:]):
+        if cur["micro_batch_size"] != prev["micro_batch_size"]:
+            changes.append({"step": cur["step"], "from": prev["micro_batch_size"], "to": cur["micro_batch_size"]})
+    return changes
+
+
+# ---------------------------------------------------------------------------
+# Plots
+
+_MIB = 1024**2
+
+
+def plot_memory_fit(ax: Any, plan: Mapping[str, Any] | None) -> None:
+    """Peak memory against batch size: the trials by outcome, the fitted line, capacity and target."""
+    ax.set_xlabel("batch size (samples)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.grid(alpha=0.3)
+    if plan is None:
+        ax.set_title("memory vs batch size")
+        ax.text(0.5, 0.5, "finder not run\n(micro-batch given by --grad-accum-steps)", ha="center",
+                va="center", transform=ax.transAxes, color="tab:gray")
+        return
+    trials = plan.get("trials") or []
+    capacity = plan.get("capacity_bytes")
+    limit = plan.get("limit_bytes")
+    chosen = plan.get("batch_size")
+    sizes = [t["batch_size"] for t in trials] + ([chosen] if chosen else [])
+    x_max = max(sizes, default=1) * 1.15
+    for outcome, (colour, marker, label) in _OUTCOME_STYLE.items():
+        pts = [t for t in trials if t["outcome"] == outcome]
+        if not pts:
+            continue
+        # an OOM has no measured peak: draw it on the capacity line, where it broke through
+        ys = [(t["peak_bytes"] if t.get("peak_bytes") is not None else capacity or 0) / _MIB for t in pts]
+        ax.scatter([t["batch_size"] for t in pts], ys, c=colour, marker=marker, s=46, zorder=3, label=f"trial: {label}")
+    fit = plan.get("fit")
+    if fit:
+        xs = [0.0, x_max]
+        ax.plot(xs, [(fit["fixed_bytes"] + fit["bytes_per_sample"] * x) / _MIB for x in xs], color="tab:blue",
+                lw=1.5, label=f"fit: {format_bytes(fit['fixed_bytes'])} + {format_bytes(fit['bytes_per_sample'])}/sample")
+    if capacity:
+        ax.axhline(capacity / _MIB, color="black", ls="--", lw=1, label=f"capacity {format_bytes(capacity)}")
+    if limit:
+        ax.axhline(limit / _MIB, color="tab:purple", ls=":", lw=1.2, label=f"target {format_bytes(limit)}")
+    if chosen:
+        ax.axvline(chosen, color="tab:gray", ls="-.", lw=1, label=f"chosen batch {chosen}")
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"memory vs batch size (finder: {plan.get('strategy', '?')})")
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def plot_run_timeline(ax: Any, steps: Sequence[Mapping[str, Any]]) -> None:
+    """Micro-batch size (left axis) and peak memory with the capacity (right axis) over the steps."""
+    xs = [s["step"] for s in steps]
+    ax.step(xs, [s["micro_batch_size"] for s in steps], where="post", color="tab:blue", lw=1.8, label="micro-batch size")
+    oom_steps = [s for s in steps if s.get("ooms")]
+    if oom_steps:
+        ax.scatter([s["step"] for s in oom_steps], [s["micro_batch_size"] for s in oom_steps], color="tab:red",
+                   marker="v", s=40, zorder=3, label="OOM recovered")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("micro-batch size (samples)", color="tab:blue")
+    ax.set_ylim(0, max((s["micro_batch_size"] for s in steps), default=1) * 1.3)
+    ax.grid(alpha=0.3)
+    mem = ax.twinx()
+    mem.plot(xs, [(s.get("peak_bytes") or 0) / _MIB for s in steps], color="tab:orange", lw=1.2, label="peak memory")
+    if any(s.get("capacity_bytes") for s in steps):
+        mem.step(xs, [(s.get("capacity_bytes") or math.nan) / _MIB for s in steps], where="post", color="black",
+                 ls="--", lw=1, label="capacity")
+    mem.set_ylabel("memory (MiB)", color="tab:orange")
+    top = max([s.get("peak_bytes") or 0 for s in steps] + [s.get("capacity_bytes") or 0 for s in steps], default=0)
+    mem.set_ylim(0, max(top, 1) / _MIB * 1.6)
+    lines = ax.get_legend_handles_labels()
+    more = mem.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper center", ncol=4)
+    ax.set_title("micro-batch and peak memory over the run")
+
+
+def save_run_plot(plan: Mapping[str, Any] | None, steps: Sequence[Mapping[str, Any]], path: str | os.PathLike,
+                  *, title: str | None = None) -> Path:
+    """Write the two-panel run figure (:func:`plot_memory_fit`, :func:`plot_run_timeline`) as a PNG.
+
+    The image is exactly :data:`FIGURE_SIZE_PX` pixels.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'batchpilot[cli]'``).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'batchpilot[cli]'") from exc
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w, h = FIGURE_SIZE_PX
+    fig = Figure(figsize=(w / _DPI, h / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    plot_memory_fit(left, plan)
+    plot_run_timeline(right, steps)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    # no bbox_inches="tight": it would change the pixel size the schema promises
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, format="png")
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Progress
+
+
+def progress(iterable: Iterable[Any] | None = None, *, total: int | None = None, desc: str = "",
+             enabled: bool = True, unit: str = "it") -> Iterator[Any] | Any:
+    """A tqdm progress bar on stderr (``disable=True`` when not ``enabled``).
+
+    Raises:
+        ImportError: tqdm is not installed (``pip install 'batchpilot[cli]'``).
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError as exc:
+        raise ImportError("progress bars need tqdm: pip install 'batchpilot[cli]'") from exc
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, unit=unit, dynamic_ncols=True, leave=True)
+
+
+@contextlib.contextmanager
+def logging_through_progress(enabled: bool = True, logger: str = "batchpilot") -> Iterator[None]:
+    """Route ``logger``'s console output through ``tqdm.write`` while bars are shown.
+
+    A warning printed straight to stderr would tear a progress bar in two; through tqdm it
+    lands above the bar. The command line logs through the ``batchpilot`` logger, not the
+    root one. Does nothing when not ``enabled``.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+    except ImportError as exc:
+        raise ImportError("progress bars need tqdm: pip install 'batchpilot[cli]'") from exc
+    with logging_redirect_tqdm(loggers=[logging.getLogger(logger)]):
+        yield
