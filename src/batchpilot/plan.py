@@ -423,11 +423,18 @@ class _FakeSetup:
                     lambda t: _fake_rows(t, batch_size),
                     seq=lambda items: type(items)(items[i % len(items)] for i in range(batch_size)),
                 )
-        return tree_map(
-            lambda t: self.fake_mode.from_tensor(t)
-            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t,
-            made,
-        )
+        return tree_map(self._cpu_fake, made)
+
+    def _cpu_fake(self, t: Any) -> Any:
+        """A CPU fake of ``t``: a batch function may put its batch on the accelerator it trains on."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, FakeTensor):
+            t = self.fake_mode.from_tensor(t) if t.device.type == "cpu" else t
+        if t.device.type == "cpu":
+            return t
+        with self.fake_mode:
+            return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="cpu")
 
 
 def _fake_rows(t: Any, batch_size: int) -> Any:

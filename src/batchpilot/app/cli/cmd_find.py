@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...find import find_batch_size_for
 from ...memory import format_bytes
@@ -111,11 +112,10 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     with report.logging_through_progress(not args.no_progress):
         # a fresh host batch per step (only its inputs are live, as when a loader feeds the
-        # device); workload.loss moves it to the model's device, which for --plan-first is
-        # the planner's CPU fake copy: a batch made on CUDA could not be planned
+        # device); the finder moves it to the device, the planner (--plan-first) makes it fake
         plan = find_batch_size_for(
             model, lambda b: workload.make_batch(b, generator=generator), optimizer=optimizer,
-            forward=workload.loss, amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
+            loss_fn=nn.CrossEntropyLoss(), amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
             capacity=args.capacity, strategy=args.strategy, min_batch_size=args.min_batch_size,
             max_batch_size=args.max_batch_size, steps_per_trial=args.steps_per_trial,
             progress=not args.no_progress,

@@ -167,16 +167,6 @@ class Workload:
         """The optimizer; its learning rate does not change the memory, so a fixed one is used."""
         return make_optimizer(self.optimizer, model.parameters(), lr=1e-3)
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Cross-entropy of ``model`` on a host batch, moved to the model's device first.
-
-        Following the model rather than naming a device lets one step serve both the real
-        trials and the planner, which runs a CPU fake copy of the model (``--plan-first``).
-        """
-        device = next(model.parameters()).device  # the optimizer already needed a parameter
-        x, y = batch
-        return nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-
     def check(self, model: nn.Module, *, seed: int = 0) -> None:
         """One forward at a batch of 2, before any search (:func:`~batchpilot.app.trainjob.check_model`).
 
