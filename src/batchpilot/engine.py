@@ -23,12 +23,14 @@ from .batching import BatchConfig, split_sizes
 from ._checks import positive_int as _positive_int
 from .coordinator import Coordinator, LocalCoordinator
 from .find import BatchPlan, find_batch_size
+from .gauge import Gauge, gauge_for
+from .host import trim_host_memory
 from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
 from .amp import amp_dtype as _amp_dtype
 from .amp import autocast
 from .batch import BatchLayout, BatchSplitter, SplitFn
 from .loss import as_loss_fn, parse_loss
-from .oom import attempt
+from .oom import attempt, free_memory
 from .policy import MicroBatchPolicy, PeakFit, accum_steps
 
 __all__ = [
@@ -39,11 +41,6 @@ __all__ = [
     "LocalCoordinator",
     "StepResult",
 ]
-
-try:
-    import resource
-except ImportError:  # not on Windows
-    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +109,12 @@ class StepResult:
         samples: samples in this rank's batch (dim 0); the global batch is ``world`` times that.
         ooms: OOMs retried within this step (on any rank).
         peak_bytes: peak memory of the step on this rank: the successful attempt, the gradient
-            sync and the optimizer step (see ``measured``).
-        measured: ``peak_bytes`` is exact (accelerator, or CPU inside a storage tracker);
-            otherwise it is the process's peak resident set size so far (``getrusage``).
+            sync and the optimizer step, in the figure ``memory`` names.
+        measured: ``peak_bytes`` is the figure the engine decides on (always, now that real
+            memory is measured on every device).
+        memory: that figure: ``"tensors"`` (CPU inside a storage tracker or emulated
+            capacity), ``"resident"`` (the process's real memory on CPU), ``"device"``
+            (CUDA reserved plus memory outside PyTorch) or ``"allocated"`` (MPS, XPU).
         seconds: wall time of the step (host time; the device may still be running).
         skipped: the optimizer step was skipped (see ``skip_reason``); the scheduler did not step.
         skip_reason: ``None``; ``"inf"``: fp16's ``GradScaler`` found inf/NaN gradients;
@@ -133,6 +133,7 @@ class StepResult:
     ooms: int
     peak_bytes: int
     measured: bool
+    memory: str = "tensors"
     seconds: float
     skipped: bool = False
     skip_reason: str | None = None
@@ -275,7 +276,9 @@ class Engine:
         self.policy: MicroBatchPolicy | None = None
         self.fit = PeakFit()
         self._start = start
-        self._probe = get_probe(self.device)
+        self._gauges: dict[tuple, Gauge] = {}
+        self._probe: Gauge = self._step_gauge()
+        self._step_capacity: int | None = None
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -322,8 +325,11 @@ class Engine:
             raise ValueError(self._too_large(n))
         if self.micro_batch_size is None:
             self._initialise(split)
-        measured = self._measured()
-        probe = self._probe
+        measured = True  # every device has a real figure now (see StepResult.memory)
+        probe = self._probe = self._step_gauge()
+        self._step_capacity = None
+        if probe.kind == "resident" and not self.fixed:
+            trim_host_memory()  # freed heap back to the OS, so the resident peak is this step's
         fixed = self.fixed
         if not fixed:
             self._snapshot()
@@ -334,8 +340,8 @@ class Engine:
             while True:
                 micro = min(self.micro_batch_size, n)
                 if measured:
-                    probe.reset_peak()
-                    start_bytes = probe.allocated()
+                    probe.reset()
+                    start_bytes = probe.current()
                 # attempt() frees memory outside its except block; the agreement runs on every rank
                 outcome = attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
                 if fixed:
@@ -359,17 +365,14 @@ class Engine:
                 self._shrink_after_oom(micro, measured, message)
             if measured:
                 attempt_peak = probe.peak()
-                probe.reset_peak()
+                probe.reset()
             grad_norm, skip_reason = self._apply(acc)
         except BaseException:
             self._drop_grads()
             raise
         self.steps += 1
-        if measured:
-            self._apply_peak = probe.peak()
-            peak = max(attempt_peak, self._apply_peak)
-        else:
-            peak = _host_peak_rss()
+        self._apply_peak = probe.peak()
+        peak = max(attempt_peak, self._apply_peak)
         return StepResult(
             loss_tensor=acc.loss,
             micro_batch_size=acc.sizes[0],
@@ -378,6 +381,7 @@ class Engine:
             ooms=ooms,
             peak_bytes=int(peak),
             measured=measured,
+            memory=probe.kind,
             seconds=time.perf_counter() - t0,
             skipped=skip_reason is not None,
             skip_reason=skip_reason,
@@ -583,7 +587,7 @@ class Engine:
         fit = plan.fit
         if fit is not None and fit.bytes_per_sample > 0:
             # the finder's line is absolute; the engine models the increase over what is in use
-            fixed = max(0.0, float(fit.fixed_bytes) - self._probe.allocated()) if self._measured() else 0.0
+            fixed = max(0.0, float(fit.fixed_bytes) - self._step_gauge().current())
             self.fit.prior = (fixed, float(fit.bytes_per_sample))
 
     # ------------------------------------------------------------------ the step
@@ -718,12 +722,27 @@ class Engine:
                 torch.cuda.set_rng_state(self._device_rng, self.device)
 
     # ------------------------------------------------------------------ adaptation
-    def _measured(self) -> bool:
-        # on CPU only a storage tracker gives exact bytes; RSS is no basis for decisions
-        return self.device.type != "cpu" or active_tracker(self.device) is not None
+    def _step_gauge(self) -> Gauge:
+        """The figure this step decides on: an emulation running around it, else the device's real memory."""
+        dev = self.device
+        if dev.type == "cpu":
+            tracker = active_tracker(dev)
+            key: tuple = ("tensors",) if tracker is not None else ("resident",)
+            emulated = None if tracker is None else (tracker.capacity or 0)
+        else:
+            emulated = getattr(get_probe(dev), "_capacity_override", None)
+            key = (dev.type, emulated)
+        gauge = self._gauges.get(key)
+        if gauge is None:
+            gauge = self._gauges[key] = gauge_for(dev, emulated_capacity=emulated)
+        return gauge
 
     def _capacity(self) -> int:
-        return self.config.capacity if self.config.capacity is not None else self._probe.capacity()
+        if self.config.capacity is not None:
+            return self.config.capacity
+        if self._step_capacity is None:  # read once per step: on a real CPU it is a few file reads
+            self._step_capacity = self._probe.capacity()
+        return self._step_capacity
 
     def _max_fitting(self, measured: bool, start: int) -> int | None:
         """Largest micro-batch the memory model fits under ``target`` for a step that begins with ``start`` bytes."""
@@ -734,7 +753,7 @@ class Engine:
     def _shrink_after_oom(self, micro: int, measured: bool, message: str) -> None:
         policy = self.policy
         # after the OOM the gradients are dropped: what is in use now is what the retry starts with
-        new = policy.on_oom(self._max_fitting(measured, self._probe.allocated()))
+        new = policy.on_oom(self._max_fitting(measured, self._probe.current()))
         if new is None:
             capacity = self._capacity()
             raise BatchDoesNotFitError(
@@ -866,13 +885,6 @@ def _alloc_retries(device: torch.device) -> int | None:
         return None
     # cudaMalloc failed, the allocator freed its cache and retried: thrashing just below an OOM
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-
-
-def _host_peak_rss() -> int:
-    """The process's peak resident set size: a getrusage call, far cheaper than reading /proc."""
-    if resource is None:  # Windows
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _default_coordinator() -> Coordinator:

@@ -11,6 +11,7 @@ from the planner's answer (:mod:`batchpilot.plan`), which the search verifies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -26,12 +27,14 @@ from .amp import amp_dtype as _amp_dtype
 from .amp import autocast
 from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
 from .loss import LossFn, as_loss_fn, forward_only, parse_loss
-from .memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
-from .oom import attempt
+from .gauge import Gauge, gauge_for
+from .memory import active_tracker, emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
+from .oom import attempt, free_memory
 from .search import (
     FIT,
     OOM,
     OVER_TARGET,
+    REFUSED,
     STRATEGIES,
     BatchSizeError,
     NothingFitsError,
@@ -40,6 +43,7 @@ from .search import (
     Trial,
     fit_line,
     make_policy,
+    predict_peak,
     run_search,
 )
 from .snapshot import StateSnapshot
@@ -79,6 +83,8 @@ class FinderConfig:
     first_guess: int | None = None
     max_trials: int = 25
     progress: bool = False
+    tolerance: float | None = None
+    snapshot: Literal["auto", "memory", "disk"] = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
@@ -105,6 +111,13 @@ class FinderConfig:
             )
         if not isinstance(self.progress, bool):
             raise BatchSizeError(f"progress must be True or False, got {self.progress!r}")
+        if self.tolerance is not None and not (
+            isinstance(self.tolerance, (int, float)) and not isinstance(self.tolerance, bool)
+            and 0 <= self.tolerance < 0.5
+        ):
+            raise BatchSizeError(f"tolerance must be a fraction in [0, 0.5) or None (auto), got {self.tolerance!r}")
+        if self.snapshot not in ("auto", "memory", "disk"):
+            raise BatchSizeError(f"snapshot must be 'auto', 'memory' or 'disk', got {self.snapshot!r}")
 
 
 @dataclass(kw_only=True)
@@ -144,6 +157,17 @@ class BatchPlan:
             (``find_batch_size_for(..., plan_first=True)``), else ``None``.
         plan_seconds: wall time of that planning pass (also when it failed
             and the search ran unseeded); included in ``seconds``.
+        memory: the figure the trials were judged on: ``"tensors"`` (an emulated
+            capacity on CPU), ``"resident"`` (the process's real memory on CPU),
+            ``"device"`` (reserved plus outside PyTorch on CUDA) or ``"allocated"``.
+        tensor_fit: with ``memory == "resident"``, the line of the tensor bytes alone
+            (exact); ``fit`` minus it is the rest (allocator, kernel scratch, the runtime).
+        binding_limit: on a real CPU, the limit that set the capacity: ``"cgroup"``,
+            ``"rlimit_as"`` or ``"physical"``; else ``None``.
+        refused: trials not run because their predicted peak was over a limit past which
+            the process is killed (counted in ``trials``, outcome ``"refused"``).
+        snapshot_bytes, snapshot_seconds, snapshot_on_disk: what the ``restore=`` snapshot
+            held, the time it took to take and restore, and whether it was spilled to a file.
     """
 
     batch_size: int
@@ -161,6 +185,12 @@ class BatchPlan:
     first_guess: int | None = None
     seeded_by: Literal["plan"] | None = None
     plan_seconds: float = 0.0
+    memory: str = "tensors"
+    tensor_fit: MemoryFit | None = None
+    binding_limit: str | None = None
+    snapshot_bytes: int = 0
+    snapshot_seconds: float = 0.0
+    snapshot_on_disk: bool = False
 
     @property
     def num_trials(self) -> int:
@@ -203,28 +233,33 @@ def find_batch_size(
     first_guess: int | None = None,
     max_trials: int = 25,
     progress: bool = False,
+    tolerance: float | None = None,
+    snapshot: Literal["auto", "memory", "disk"] = "auto",
 ) -> BatchPlan:
     """Find the largest batch size whose step peaks at or under ``target × capacity``.
 
-    Each trial calls ``step(batch_size)`` ``steps_per_trial`` times and measures
-    the peak allocated bytes over those steps; a peak over the limit counts as
-    "does not fit" just like an OOM, which is recovered from. Before the first
+    Each trial calls ``step(batch_size)`` ``steps_per_trial`` times and measures the peak of
+    the memory that fails on the device (:mod:`batchpilot.gauge`); a peak over the limit
+    counts as "does not fit" just like an OOM, which is recovered from. Before the first
     trial the objects in ``restore`` and the torch / numpy / python RNG states are
-    snapshotted, and they are put back after every trial (each trial starts
-    from the same state, as the real job will) and when the search ends, also
-    on error.
+    snapshotted, and they are put back after every trial and when the search ends, also on
+    error.
 
-    On CPU the figures come from the exact storage tracker. When ``capacity`` is
-    given on CPU or CUDA the trials run under
-    :func:`~batchpilot.memory.emulate_capacity`, so a trial past it OOMs as on a
-    real device of that size; without it the device's own capacity is used
-    (on CPU, the available RAM — pass ``capacity`` or ``max_batch_size``).
+    What is measured: with ``capacity`` on CPU or CUDA the trials run under
+    :func:`~batchpilot.memory.emulate_capacity` (tensor bytes on CPU, reserved bytes on CUDA);
+    without it, the device's real memory: on CPU the process's resident set against the
+    tightest of its cgroup limit, ``RLIMIT_AS`` and the available RAM (with the tensor bytes
+    alongside, per trial), on CUDA reserved memory plus everything outside PyTorch against
+    the card's total. On a real CPU no trial is run whose predicted peak is over a limit that
+    kills (a container's): it is recorded as ``"refused"``. An OOM lowers the capacity to
+    what the failure proves, so the next trial lands under it.
 
     Args:
         step: runs one full step (forward, backward, optimizer step) at a batch size.
         device: the device whose memory is measured; default the current accelerator, else CPU.
         target: fraction of the capacity the peak may use, in (0, 1].
-        capacity: device memory in bytes or as a string (``"24GiB"``); default the device's.
+        capacity: device memory in bytes or as a string (``"24GiB"``) to emulate; default the
+            device's real memory.
         strategy: ``"predict"``, ``"power"``, ``"binsearch"``, ``"decay"`` or a
             :class:`~batchpilot.search.SearchPolicy`.
         min_batch_size: the smallest size to consider.
@@ -238,6 +273,12 @@ def find_batch_size(
             power / binsearch / decay.
         max_trials: stop after this many trials, keeping the best so far.
         progress: show a tqdm progress bar (if tqdm is installed).
+        tolerance: ``predict`` stops once the answer is within this fraction of the boundary;
+            ``None``: exact (0) on emulated tensor bytes, 0.02 on real memory, whose peaks
+            move by more than one sample between runs.
+        snapshot: where the ``restore`` copies live: ``"memory"``, ``"disk"`` (a temporary
+            file, so they do not compete with the job's memory), or ``"auto"``: disk on a
+            real CPU when they are 5% of the memory the job can still grow into, or more.
 
     Returns:
         A :class:`BatchPlan`.
@@ -252,50 +293,67 @@ def find_batch_size(
     cfg = FinderConfig(
         target=target, capacity=capacity, strategy=strategy, min_batch_size=min_batch_size,
         max_batch_size=max_batch_size, steps_per_trial=steps_per_trial, first_guess=first_guess,
-        max_trials=max_trials, progress=progress,
+        max_trials=max_trials, progress=progress, tolerance=tolerance, snapshot=snapshot,
     )
     dev = resolve_device(device)
     targets = [o for o in restore if o is not None]
-    policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size)
+    emulated = cfg.capacity is not None and dev.type in _EMULATED
+    # called inside the caller's own emulate_capacity: measure against that emulation
+    ambient = None if emulated else _ambient_capacity(dev)
+    gauge = gauge_for(dev, emulated_capacity=cfg.capacity if emulated else ambient)
+    tol = cfg.tolerance if cfg.tolerance is not None else (0.0 if gauge.kind == "tensors" else _REAL_TOLERANCE)
+    policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size,
+                         tolerance=tol)
     started = time.perf_counter()
-    snapshot = StateSnapshot(targets)
+    free_memory(dev)
+    spill = _spill(cfg.snapshot, gauge, targets)
+    snap = StateSnapshot(targets, spill=spill)
     bar = None
     try:
         with contextlib.ExitStack() as stack:
-            if cfg.capacity is not None and dev.type in _EMULATED:
+            if emulated:
                 stack.enter_context(emulate_capacity(cfg.capacity, dev, track=targets))
-            cap = cfg.capacity if cfg.capacity is not None else get_probe(dev).capacity()
+            cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
             space = SearchSpace(
                 limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
                 min_batch_size=cfg.min_batch_size, max_batch_size=cfg.max_batch_size,
             )
             logger.info(
-                "finding the batch size on %s: strategy %s, limit %s (%.0f%% of %s)",
-                dev, policy.name, format_bytes(space.limit_bytes), 100 * cfg.target, format_bytes(cap),
+                "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
+                dev, policy.name, gauge.kind, format_bytes(space.limit_bytes), 100 * cfg.target,
+                format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.kind == "resident" else "",
             )
             bar = _progress_bar(cfg.progress, policy.name)
-            trial_fn = _TrialRunner(step, dev, space, cfg.steps_per_trial, targets, snapshot)
+            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap)
 
             def report(t: Trial) -> None:
-                _log_trial(t, len(trial_fn.done), space)
+                _log_trial(t, len(trial_fn.done), trial_fn.space)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(batch=t.batch_size, outcome=t.outcome)
 
-            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report)
+            trial_fn.space = space
+            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report,
+                                revise=lambda sp, t: _revise(sp, t, cfg.target))
+            space = result.space or space
     finally:
         if bar is not None:
             bar.close()
-        snapshot.restore()
+        snap.restore()
+        snap.close()
+        free_memory(dev)
     if result.batch_size is None:
         raise _nothing_fits(result.trials, space, dev, result.stop_reason)
     line = fit_line(result.trials, space.limit_bytes)
+    tensor_line = _tensor_line(result.trials) if gauge.kind == "resident" else None
     plan = BatchPlan(
-        batch_size=result.batch_size, target=float(cfg.target), capacity=int(cap), limit_bytes=space.limit_bytes,
-        strategy=policy.name, device=str(dev), trials=result.trials,
+        batch_size=result.batch_size, target=float(cfg.target), capacity=int(space.capacity_bytes),
+        limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=result.trials,
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
         seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
-        steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess,
+        steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
+        tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.kind == "resident" else None,
+        snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
     )
     if result.stop_reason == "max_trials":
         logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
@@ -305,48 +363,129 @@ def find_batch_size(
     return plan
 
 
-class _TrialRunner:
-    """Runs one trial: the steps under a peak measurement, OOM recovery, then the restore."""
+#: predict's relative tolerance on real memory (see ``tolerance``)
+_REAL_TOLERANCE = 0.02
+#: a snapshot this share of the headroom or more goes to disk on a real CPU (``snapshot="auto"``)
+_SPILL_SHARE = 0.05
+#: trials predicted within this share of a limit that kills are refused
+_KILL_MARGIN = 0.02
 
-    def __init__(self, step: Callable[[int], Any], device: torch.device, space: SearchSpace,
+
+def _ambient_capacity(device: torch.device) -> int | None:
+    """The capacity of an emulation already running for ``device`` (the caller's), if any."""
+    if device.type == "cpu":
+        tr = active_tracker(device)
+        return None if tr is None else tr.capacity
+    return getattr(get_probe(device), "_capacity_override", None)
+
+
+def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:
+    if choice != "auto":
+        return choice == "disk"
+    if gauge.kind != "resident":
+        return False  # an accelerator's snapshot is host memory; an emulated CPU's is untracked
+    # the share of what the job may still grow into, not of the whole process
+    return StateSnapshot.objects_nbytes(targets) >= _SPILL_SHARE * max(1, gauge.capacity() - gauge.current())
+
+
+def _revise(space: SearchSpace, trial: Trial, target: float) -> SearchSpace | None:
+    """After an OOM: the real capacity is below what the failed step had reached (its lower bound)."""
+    if trial.outcome != OOM or trial.peak_bytes is None or trial.bound_bytes is None:
+        return None
+    bound = trial.bound_bytes
+    if bound >= space.capacity_bytes:
+        return None
+    logger.info("the OOM at batch %d shows the capacity is at most %s, not %s", trial.batch_size,
+                format_bytes(bound), format_bytes(space.capacity_bytes))
+    return dataclasses.replace(space, capacity_bytes=bound, limit_bytes=max(1, int(target * bound)))
+
+
+def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
+    pts = [t for t in trials if t.measured and t.tensor_bytes is not None]
+    proxies = [Trial(batch_size=t.batch_size, outcome=t.outcome, peak_bytes=t.tensor_bytes) for t in pts]
+    line = fit_line(proxies)
+    return None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1])
+
+
+class _TrialRunner:
+    """Runs one trial: the steps under the gauge (and a tracker for the breakdown), OOM recovery, the restore."""
+
+    def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
                  steps: int, targets: list[Any], snapshot: StateSnapshot) -> None:
-        self.step, self.device, self.space, self.steps = step, device, space, steps
+        self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
         self.targets, self.snapshot = targets, snapshot
-        self.probe = get_probe(device)
+        self.space: SearchSpace | None = None
         self.done: list[Trial] = []
 
     def __call__(self, batch_size: int) -> Trial:
+        refused = self._refuse(batch_size)
+        if refused is not None:
+            self.done.append(refused)
+            return refused
         holder: list[Any] = []
+        real = self.gauge.kind == "resident"
 
         def run() -> None:
-            with track_peak(self.device, track=self.targets) as m:
+            # on a real CPU a tracker runs alongside for the breakdown (tensor bytes vs the rest)
+            with track_peak(self.device, track=self.targets) if self.device.type == "cpu" else \
+                    contextlib.nullcontext() as m:
                 holder.append(m)
                 for i in range(self.steps):
                     if i == self.steps - 1:
                         holder.append(self._steady_bytes())
                     self.step(batch_size)
 
+        if real:
+            free_memory(self.device)  # freed heap back to the OS: the resident peak then starts clean
         began = time.perf_counter()
+        self.gauge.reset()
+        # real memory keeps part of a step's memory resident (allocator caches) into the next,
+        # so what is in use before the first step is the floor; the tracker's is exact per step
+        base = None if self.gauge.kind == "tensors" else int(self.gauge.current())
         # the restore runs after the OOM's traceback is gone, before memory is released
         outcome = attempt(run, device=self.device, on_oom=self.snapshot.restore)
+        self.gauge.synchronize()
+        peak = self.gauge.peak()
         if not outcome.oom:
             self.snapshot.restore()
         seconds = time.perf_counter() - began
         m = holder[0] if holder else None
-        peak = None if m is None else int(m.peak_bytes)
         start = holder[1] if len(holder) > 1 else None
+        if base is not None:
+            start = base
+        tensor_bytes = int(m.peak_bytes) if real and m is not None else None
         if outcome.oom:
             kind = OOM
+            bound = _oom_bound(peak, outcome)
+            peak_bytes = bound if bound is not None else peak
         else:
             kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
-        trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=peak, start_bytes=start, seconds=seconds,
-                      message=outcome.message if outcome.oom else None)
+            bound = None
+            peak_bytes = peak
+        trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=int(peak_bytes), start_bytes=start,
+                      seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
+                      bound_bytes=bound)
         self.done.append(trial)
         return trial
 
+    def _refuse(self, batch_size: int) -> Trial | None:
+        """A trial predicted over a limit past which the process is killed is not run."""
+        if not self.gauge.kills:
+            return None
+        predicted = predict_peak(self.done, batch_size)
+        if predicted is None:
+            return None
+        hard = int(self.space.capacity_bytes * (1 - _KILL_MARGIN))
+        if predicted <= hard:
+            return None
+        logger.info("batch %d not run: its predicted peak %s is over the %s limit %s, past which the "
+                    "process is killed", batch_size, format_bytes(predicted), self.gauge.limits.binding,
+                    format_bytes(hard))
+        return Trial(batch_size=batch_size, outcome=REFUSED, peak_bytes=int(predicted), start_bytes=None)
+
     def _steady_bytes(self) -> int:
         """Bytes in use as the last step starts, less gradients (a step may free them before its peak)."""
-        self.probe.synchronize()
+        self.gauge.synchronize()
         grads: dict[int, int] = {}
         for obj in self.targets:
             if isinstance(obj, nn.Module):
@@ -355,7 +494,16 @@ class _TrialRunner:
                     if g is not None and g.device == self.device:
                         st = g.untyped_storage()
                         grads[id(st)] = st.nbytes()
-        return int(self.probe.allocated()) - sum(grads.values())
+        return max(0, int(self.gauge.current()) - sum(grads.values()))
+
+
+def _oom_bound(peak: int, outcome: Any) -> int | None:
+    """What an OOM proves the step needed: the peak reached before it failed plus the failed request."""
+    report = getattr(outcome, "report", None)
+    requested = getattr(report, "requested_bytes", None) if report is not None else None
+    if requested is None:
+        return None
+    return int(peak) + int(requested)
 
 
 def _log_trial(t: Trial, index: int, space: SearchSpace) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
+from .host import trim_host_memory
+
 __all__ = ["is_oom", "is_fatal_device_error", "free_memory", "attempt", "Attempt"]
 
 logger = logging.getLogger(__name__)
@@ -74,12 +76,17 @@ def is_oom(exc: BaseException) -> bool:
 def free_memory(device: torch.device | str | None = None) -> None:
     """Collect garbage and release the backend's cached blocks; never raises.
 
+    On CPU the C library's freed heap is handed back to the OS (``malloc_trim``), so that the
+    resident size measures what is live again.
+
     Args:
         device: the device whose cache to release; ``None`` releases every
             backend that is initialised.
     """
     gc.collect()
     kind = torch.device(device).type if device is not None else None
+    if kind in (None, "cpu"):
+        trim_host_memory()
     for name in ("cuda", "xpu", "mps"):
         if kind is not None and kind != name:
             continue

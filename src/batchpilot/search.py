@@ -19,6 +19,7 @@ __all__ = [
     "FIT",
     "OVER_TARGET",
     "OOM",
+    "REFUSED",
     "Outcome",
     "BatchSizeError",
     "NothingFitsError",
@@ -34,6 +35,8 @@ __all__ = [
     "decay_batch_step",
     "bracket",
     "fit_line",
+    "predict_peak",
+    "reclassify",
     "SearchResult",
     "run_search",
 ]
@@ -41,8 +44,9 @@ __all__ = [
 FIT = "fit"
 OVER_TARGET = "over_target"
 OOM = "oom"
-Outcome = Literal["fit", "over_target", "oom"]
-_OUTCOMES = (FIT, OVER_TARGET, OOM)
+REFUSED = "refused"
+Outcome = Literal["fit", "over_target", "oom", "refused"]
+_OUTCOMES = (FIT, OVER_TARGET, OOM, REFUSED)
 
 
 class BatchSizeError(ValueError):
@@ -78,16 +82,23 @@ class Trial:
     """One measured batch size.
 
     Attributes:
-        batch_size: the batch size run.
-        outcome: ``"fit"``, ``"over_target"`` or ``"oom"``.
-        peak_bytes: the peak allocated bytes; for an OOM, what was live when it
-            failed (a lower bound) or ``None``.
+        batch_size: the batch size run (or refused).
+        outcome: ``"fit"``, ``"over_target"``, ``"oom"``, or ``"refused"``: not run, because
+            its predicted peak was over a limit past which the process would be killed.
+        peak_bytes: the peak of the memory that fails (see the finder); for an OOM, a lower
+            bound (what was in use when it failed, plus the request when the allocator said
+            it) or ``None``; for a refused trial, the prediction.
         start_bytes: bytes in use at the start of the trial's last (steady-state)
             step that stay in use through it — the model, optimizer state and
             anything else alive, not gradients a step may free first; a floor
             under every batch size's peak. ``None`` if unknown.
         seconds: wall time of the trial.
         message: the first line of the OOM error, for an OOM.
+        tensor_bytes: where the peak is the process's real memory, the peak of the tensors
+            alone (exact, from a storage tracker); the rest is allocator overhead, kernel
+            scratch and everything outside PyTorch. ``None`` otherwise.
+        bound_bytes: for an OOM whose allocator said how much it asked for, the peak reached
+            plus that request: the step needed at least this, and the real capacity is below it.
     """
 
     batch_size: int
@@ -96,6 +107,8 @@ class Trial:
     start_bytes: int | None = None
     seconds: float = 0.0
     message: str | None = None
+    tensor_bytes: int | None = None
+    bound_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in _OUTCOMES:
@@ -110,7 +123,7 @@ class Trial:
     @property
     def measured(self) -> bool:
         """True when ``peak_bytes`` is the full peak (the trial ran to the end)."""
-        return self.outcome != OOM
+        return self.outcome in (FIT, OVER_TARGET)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,6 +202,37 @@ def fit_line(trials: Sequence[Trial], limit_bytes: int | None = None) -> tuple[f
         x, y = (lo, above[0]) if above else (below[-1], lo)
     slope = (pts[y] - pts[x]) / (y - x)
     return pts[x] - slope * x, slope
+
+
+def predict_peak(trials: Sequence[Trial], b: int) -> int | None:
+    """The peak a trial at ``b`` is expected to reach, from the measured trials; ``None`` if none.
+
+    Below the largest measured size: the line through the measured sizes around ``b``. Above
+    it: the line through the two largest measured sizes, but never less than the largest
+    peak seen, and with a single measured size the proportional line through its start bytes
+    (every added byte taken as per-sample: an overestimate for memory that grows linearly).
+    """
+    pts = _points(trials)
+    if not pts:
+        return None
+    sizes = sorted(pts)
+    if b in pts:
+        return pts[b]
+    below = [x for x in sizes if x < b]
+    above = [x for x in sizes if x > b]
+    if below and above:
+        x0, x1 = below[-1], above[0]
+    elif len(sizes) >= 2:
+        x0, x1 = (sizes[-2], sizes[-1]) if not above else (sizes[0], sizes[1])
+    else:
+        t = next(t for t in trials if t.measured)
+        start = t.start_bytes or 0
+        return start + (t.peak_bytes - start) * b // t.batch_size
+    slope = (pts[x1] - pts[x0]) / (x1 - x0)
+    line = pts[x0] + slope * (b - x0)
+    if not above:
+        line = max(line, pts[sizes[-1]])
+    return int(math.ceil(line))
 
 
 def decay_batch_step(batch_size: int, num_intra_steps: int = 2, no_odd: bool = False) -> int:
@@ -379,6 +423,12 @@ class PredictPolicy(SearchPolicy):
             limit at b + 1. 0 (exact) suits the CPU tracker; allocator
             rounding on accelerators makes exact collinearity rare, which
             only costs the b + 1 trial.
+        rel_tolerance: stop once the largest fit is within this fraction of the
+            boundary: bracketed that closely, or the line through the two largest
+            fits puts the boundary there. 0 asks for the exact boundary. Real
+            memory (a process's resident set, a GPU's reserved memory) moves by
+            more than a sample between runs, so chasing the exact boundary there
+            only buys OOMs; the finder uses 0.02 on it.
 
     Raises:
         BatchSizeError: ``first_guess`` not positive or ``tolerance_bytes`` negative.
@@ -388,12 +438,15 @@ class PredictPolicy(SearchPolicy):
     exact: ClassVar[bool] = True
     first_guess: int | None = None
     tolerance_bytes: int = 0
+    rel_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         if self.first_guess is not None:
             positive_int("first_guess", self.first_guess, error=BatchSizeError)
         if self.tolerance_bytes < 0:
             raise BatchSizeError(f"tolerance_bytes must be non-negative, got {self.tolerance_bytes}")
+        if not 0 <= self.rel_tolerance < 0.5:
+            raise BatchSizeError(f"rel_tolerance must be in [0, 0.5), got {self.rel_tolerance}")
 
     # -- the policy -------------------------------------------------------
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
@@ -406,13 +459,36 @@ class PredictPolicy(SearchPolicy):
         upper = hi - 1 if hi is not None else up  # largest size still possibly fitting
         if lo is not None and (lo == upper or self.certified(lo, trials, space)):
             return None
+        if lo is not None and self.rel_tolerance and self._close_enough(lo, hi, trials, space):
+            return None
         floor = lo if lo is not None else lo_b - 1
         if _slow_progress(trials, count=2):
             return _midpoint(floor, upper, lo_b)
         guess = self._estimate(trials, space, lo, hi)
         if guess is None:
             return _midpoint(floor, upper, lo_b)
+        if self.rel_tolerance and lo is not None:
+            # aim a little under the line's answer: a line off by less than half the tolerance
+            # then lands on a fit that is close enough, where aiming at it would fail half the time
+            guess -= int(guess * self.rel_tolerance / 2)
         return _clamp(guess, floor + 1, upper)
+
+    def _close_enough(self, lo: int, hi: int | None, trials: Sequence[Trial], space: SearchSpace) -> bool:
+        """With ``rel_tolerance``: ``lo`` is within it of the boundary (bracketed, or by the line)."""
+        slack = max(1, int(lo * self.rel_tolerance))
+        if hi is not None and hi - lo <= slack:
+            return True
+        pts = _points(trials)
+        if lo not in pts:
+            return False
+        if hi is not None and hi in pts:
+            boundary = _solve(lo, pts[lo], hi, pts[hi], space.limit_bytes)
+        elif hi is None:
+            goods = sorted(b for b in pts if b <= lo and pts[b] <= space.limit_bytes)
+            boundary = _solve(goods[-2], pts[goods[-2]], lo, pts[lo], space.limit_bytes) if len(goods) >= 2 else None
+        else:  # an OOM above: only the bracket can tell
+            return False
+        return boundary is not None and boundary <= lo + slack
 
     def certified(self, b: int, trials: Sequence[Trial], space: SearchSpace) -> bool:
         """True when three collinear measured trials, ``b`` among them, put ``b + 1`` over the limit."""
@@ -460,7 +536,8 @@ class PredictPolicy(SearchPolicy):
             # the midpoint, or less where the failure counted at the capacity says so; and
             # no more than the ceiling, so after a flat-start jump's OOM the search climbs
             # as it would have without the jump instead of risking a second OOM
-            guesses = [(lo + hi) // 2, _solve(lo, pts[lo], hi, cap, limit), extrap,
+            failed_at = max(cap, by_size[hi].peak_bytes or 0)  # a refused trial's prediction, an OOM's bound
+            guesses = [(lo + hi) // 2, _solve(lo, pts[lo], hi, failed_at, limit), extrap,
                        self._ceiling(by_size[lo], cap)]
             return min(g for g in guesses if g is not None)
         if len(goods) < 2:
@@ -541,12 +618,13 @@ STRATEGIES: dict[str, type[SearchPolicy]] = {
 
 
 def make_policy(strategy: str | SearchPolicy, *, first_guess: int | None = None,
-                max_batch_size: int | None = None) -> SearchPolicy:
+                max_batch_size: int | None = None, tolerance: float = 0.0) -> SearchPolicy:
     """Build a policy by name, seeding its first size.
 
     ``first_guess`` becomes predict's ``first_guess`` and the ``start`` of
     power, binsearch and decay. Decay without one starts at ``max_batch_size``,
-    else at 256. A policy instance is returned unchanged.
+    else at 256. ``tolerance`` is predict's ``rel_tolerance``. A policy instance
+    is returned unchanged.
 
     Raises:
         BatchSizeError: unknown strategy name (the message lists the known ones).
@@ -556,7 +634,7 @@ def make_policy(strategy: str | SearchPolicy, *, first_guess: int | None = None,
     if strategy not in STRATEGIES:
         raise BatchSizeError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if strategy == PredictPolicy.name:
-        return PredictPolicy(first_guess=first_guess)
+        return PredictPolicy(first_guess=first_guess, rel_tolerance=tolerance)
     if strategy == DecayPolicy.name:
         return DecayPolicy(start=first_guess or max_batch_size or 256)
     return STRATEGIES[strategy](start=first_guess)
@@ -571,13 +649,23 @@ class SearchResult:
             or ``None`` when none fitted.
         trials: every trial, in order.
         stop_reason: ``"boundary"`` (b fits and b + 1 is known not to),
+            ``"tolerance"`` (b is within the policy's relative tolerance of the boundary),
             ``"max_batch_size"``, ``"strategy"`` (an inexact policy stopped),
             ``"max_trials"`` or ``"nothing_fits"``.
+        space: the space at the end (a ``revise`` hook may have lowered its capacity).
     """
 
     batch_size: int | None
     trials: list[Trial]
     stop_reason: str
+    space: SearchSpace | None = None
+
+
+def reclassify(trials: list[Trial], limit_bytes: int) -> None:
+    """Re-judge measured trials against a new limit (fit / over the target), in place."""
+    for t in trials:
+        if t.measured:
+            t.outcome = FIT if t.peak_bytes <= limit_bytes else OVER_TARGET
 
 
 def run_search(
@@ -587,6 +675,7 @@ def run_search(
     *,
     max_trials: int = 25,
     on_trial: Callable[[Trial], None] | None = None,
+    revise: Callable[[SearchSpace, Trial], SearchSpace | None] | None = None,
 ) -> SearchResult:
     """Ask ``policy`` for sizes and run them with ``run_trial`` until it stops.
 
@@ -596,6 +685,9 @@ def run_search(
         run_trial: measures one batch size and returns its :class:`Trial`.
         max_trials: stop after this many trials even if the policy would go on.
         on_trial: called with each trial as it completes (logging, progress).
+        revise: called after each trial; a space it returns replaces the current one (an OOM
+            that shows the real capacity is lower than assumed), and the measured trials are
+            re-judged against its limit.
 
     Raises:
         BatchSizeError: ``max_trials`` is not positive, or the policy asked for
@@ -617,15 +709,24 @@ def run_search(
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
+        if revise is not None:
+            revised = revise(space, trial)
+            if revised is not None and revised != space:
+                space = revised
+                reclassify(trials, space.limit_bytes)
     if not stopped and policy.next_size(trials, space) is None:
         stopped = True
-    best, _ = bracket(trials)
+    best, hi = bracket(trials)
     if best is None:
         reason = "nothing_fits" if stopped else "max_trials"
     elif not stopped:
         reason = "max_trials"
     elif best == space.upper:
         reason = "max_batch_size"
+    elif not policy.exact:
+        reason = "strategy"
+    elif getattr(policy, "rel_tolerance", 0) and hi != best + 1:
+        reason = "tolerance"
     else:
-        reason = "boundary" if policy.exact else "strategy"
-    return SearchResult(batch_size=best, trials=trials, stop_reason=reason)
+        reason = "boundary"
+    return SearchResult(batch_size=best, trials=trials, stop_reason=reason, space=space)
