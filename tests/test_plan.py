@@ -211,12 +211,28 @@ def test_cuda_accounting_rounds_adds_workspaces_and_context():
     assert cuda.reserved_bytes >= cuda.allocated_bytes
     assert (cuda.reserved_bytes - 12345) % (2 * 2**20) == 0  # segments of 2 MiB multiples
     assert cuda.context_bytes == 300 * 2**20
-    assert cuda.required_bytes == cuda.allocated_bytes + cuda.context_bytes
+    # what cudaMalloc runs out of: the reserved segments plus the context
+    assert cuda.required_bytes == cuda.reserved_bytes + cuda.context_bytes
     bare = estimate_peak_memory(model, sample, 7, optimizer=loop, device="cuda",
                                 accounting=CudaAccounting(blas_workspace=0, context=0))
     assert cpu.peak_bytes <= bare.allocated_bytes <= cpu.peak_bytes + 512 * 64
     inference = estimate_peak_memory(model, sample, 7, mode="eval", device="cuda", accounting=acc)
     assert 8 * 2**20 <= inference.allocated_bytes < workspaces
+
+
+def test_a_plan_never_fits_on_allocated_bytes_when_reserved_does_not():
+    # 20 MiB segments for large blocks: at some batch sizes the reserved memory is far above
+    # the allocated; the plan must judge the reserved figure (plus the context)
+    model, sample = build("cnn")
+    acc = CudaAccounting(blas_workspace=0, context=64 * 2**20)
+    plan = plan_batch_size(model, sample, capacity=300 * 2**20, target=1.0, optimizer=adam, device="cuda",
+                           accounting=acc)
+    est, nxt = plan.estimate, plan.next_estimate
+    assert est.reserved_bytes + est.context_bytes <= plan.limit
+    assert nxt.reserved_bytes + nxt.context_bytes > plan.limit
+    assert est.reserved_bytes > est.allocated_bytes  # the case that matters: segments left unfilled
+    # judged on allocated bytes, the next batch would have looked like it fit
+    assert nxt.allocated_bytes + nxt.context_bytes <= plan.limit
 
 
 def test_cuda_estimates_use_the_foreach_optimizer_torch_picks_on_cuda():

@@ -28,7 +28,9 @@ from .amp import autocast
 from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
 from .loss import LossFn, as_loss_fn, forward_only, parse_loss
 from .gauge import Gauge, gauge_for
-from .memory import active_tracker, emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
+from .memory import (
+    active_tracker, emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak, view_extent,
+)
 from .oom import attempt, free_memory
 from .search import (
     FIT,
@@ -712,16 +714,18 @@ def _pool_storage_bytes(batch: Any, device: torch.device) -> list[int]:
     for t in tree_flatten(batch)[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device == device:
             st = t.untyped_storage()
-            sizes[id(st)] = st.nbytes()
+            # the tracker charges a slice of a larger tensor by the part it covers
+            covered = min(st.nbytes(), view_extent(t)) if device.type == "cpu" else st.nbytes()
+            sizes[id(st)] = max(sizes.get(id(st), 0), covered)
     return list(sizes.values())
 
 
 def _cuda_accounting(device: torch.device) -> Any:
     """Allocator accounting for this GPU, without the CUDA context.
 
-    The finder's peak is ``max_memory_allocated``, which never includes the
-    context, so the plan must leave it out too; the cuBLAS workspace size
-    depends on the architecture, as in :mod:`batchpilot.gpus`.
+    The finder measures the context (and everything else outside PyTorch) when a trial
+    starts, so the plan leaves it out and its limit is lowered by what is outside now; the
+    cuBLAS workspace size depends on the architecture, as in :mod:`batchpilot.gpus`.
     """
     from .gpus import (
         CUBLAS_WORKSPACE_DEFAULT,
@@ -755,19 +759,26 @@ def _plan_seed(
 
     The planner runs the finder's own step (same loss, ``steps_per_trial`` steps; a
     GradScaler's few scalar tensors are left out) and solves for ``target × capacity`` less
-    the example batch the finder keeps on the device (see :func:`_pool_storage_bytes`), so
-    that on CPU its answer is the finder's byte for byte. On CUDA it predicts
-    ``max_memory_allocated`` (allocator rounding and cuBLAS workspaces, no context); memory
-    held by anything else on the device is not in the plan and is left to the verification.
+    what the finder counts besides the step: the example batch kept on the device (see
+    :func:`_pool_storage_bytes`) and, on real memory, what is in use now. On an emulated CPU
+    its answer is the finder's byte for byte. On CUDA it predicts reserved memory (allocator
+    rounding, segments, cuBLAS workspaces); the context and other processes are measured
+    now and left out of the limit. On a real CPU the plan counts tensors only, while the
+    resident set also holds allocator and kernel scratch, so half the plan is tried first.
     """
     # imported here: fake tensors and the GPU tables are needed only when a plan is asked for
     from .plan import PlanningError, plan_batch_size
 
     started = time.perf_counter()
-    cap = cfg.capacity if cfg.capacity is not None else get_probe(device).capacity()
+    emulated = cfg.capacity is not None and device.type in _EMULATED
+    gauge = gauge_for(device, emulated_capacity=cfg.capacity if emulated else _ambient_capacity(device))
+    cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
     limit = int(cfg.target * cap)
     accounting = _cuda_accounting(device) if device.type == "cuda" else None
     pool = sum(accounting.block_size(n) if accounting else n for n in _pool_storage_bytes(batch, device))
+    if gauge.kind != "tensors":
+        gauge.reset()  # a CUDA gauge reads what is outside PyTorch here
+        pool = max(pool, 0) + int(gauge.current()) if gauge.kind == "resident" else pool + gauge.outside
     if limit <= pool:
         logger.info("plan_first: the example batch alone (%s) fills the limit %s; searching unseeded",
                     format_bytes(pool), format_bytes(limit))
@@ -788,6 +799,7 @@ def _plan_seed(
         logger.info("plan_first: the plan says even a batch of 1 needs more than %s; searching unseeded",
                     format_bytes(limit - pool))
         return _Seed(batch_size=None, seconds=seconds)
-    logger.info("plan_first: planned batch %d in %d fake runs (%.2fs); verifying it on %s",
-                plan.batch_size, len(plan.evaluations), seconds, device)
-    return _Seed(batch_size=plan.batch_size, seconds=seconds)
+    guess = plan.batch_size if gauge.kind != "resident" else max(1, plan.batch_size // 2)
+    logger.info("plan_first: planned batch %d in %d fake runs (%.2fs); verifying %d on %s",
+                plan.batch_size, len(plan.evaluations), seconds, guess, device)
+    return _Seed(batch_size=guess, seconds=seconds)

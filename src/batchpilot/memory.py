@@ -38,6 +38,7 @@ __all__ = [
     "PeakMeasurement",
     "track_peak",
     "emulate_capacity",
+    "view_extent",
 ]
 
 logger = logging.getLogger(__name__)
@@ -307,7 +308,7 @@ class StorageTracker(TorchDispatchMode):
                 if old is not None and key not in self._partial:
                     continue
                 size = st.nbytes()
-                covered = min(size, _view_extent(t))
+                covered = min(size, view_extent(t))
                 if old is None:
                     self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
                     self._sizes[key] = covered
@@ -335,7 +336,7 @@ class StorageTracker(TorchDispatchMode):
 _ACTIVE: list[StorageTracker] = []
 
 
-def _view_extent(t: torch.Tensor) -> int:
+def view_extent(t: torch.Tensor) -> int:
     """Bytes of storage a view spans, from its first element to its last."""
     if t.numel() == 0:
         return 0

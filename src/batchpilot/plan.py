@@ -99,8 +99,13 @@ class MemoryEstimate:
 
     @property
     def required_bytes(self) -> int:
-        """Device memory the step needs: the allocated peak plus the context."""
-        return self.allocated_bytes + self.context_bytes
+        """Device memory the step needs: the reserved peak plus the context.
+
+        ``cudaMalloc`` fails on the memory the caching allocator has reserved (cached blocks
+        included) plus what lives outside it, not on the bytes tensors hold: a plan that
+        fits its allocated peak can still run out.
+        """
+        return self.reserved_bytes + self.context_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "required_bytes": self.required_bytes}
@@ -739,7 +744,7 @@ def plan_batch_size(
 
     The boundary is exact against :func:`estimate_peak_memory`: the
     estimate at ``batch_size`` fits and the one at ``batch_size + 1`` does
-    not (``required_bytes``: tensor bytes on CPU; allocator peak plus CUDA
+    not (``required_bytes``: tensor bytes on CPU; reserved peak plus CUDA
     context on CUDA).
 
     Args:

@@ -16,11 +16,16 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     model, input_shape [int], num_classes, optimizer, amp (null|"bf16"|"fp16"), device,
     strategy, target, capacity_bytes, limit_bytes,
     batch_size                the answer: the largest batch whose peak <= limit_bytes
-    stop_reason               "boundary" | "max_batch_size" | "strategy" | "max_trials"
+    stop_reason               "boundary" | "tolerance" | "max_batch_size" | "strategy" | "max_trials"
     steps_per_trial,
+    memory                    the figure judged: "tensors" | "resident" | "device" | "allocated"
+    binding_limit             on a real CPU: "cgroup" | "rlimit_as" | "physical"; else null
     fit                       {fixed_bytes, bytes_per_sample} | null
-    trials                    [{batch_size, outcome "fit"|"over_target"|"oom",
-                                peak_bytes|null, start_bytes|null, seconds}]
+    tensor_fit                the tensor bytes alone (memory "resident"), same keys | null
+    snapshot                  {bytes, seconds, on_disk}: the restore snapshot's cost
+    trials                    [{batch_size, outcome "fit"|"over_target"|"oom"|"refused",
+                                peak_bytes|null, start_bytes|null, seconds,
+                                tensor_bytes|null, bound_bytes|null}]
     num_trials, num_ooms, seconds
 
 ``plan`` (``batchpilot plan --json``)::
@@ -29,6 +34,7 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     model, input_shape, num_classes, optimizer, amp,
     gpu (name|null), device ("cpu"|"cuda"), target, capacity_bytes, limit_bytes,
     batch_size                the largest batch whose required bytes <= limit_bytes
+                              (required: reserved + context on CUDA, tensor bytes on CPU)
     estimate                  at batch_size: {peak_bytes, parameters, buffers, inputs,
                                 gradients, optimizer_state, activations, allocated_bytes,
                                 reserved_bytes, context_bytes, required_bytes}
@@ -81,11 +87,14 @@ __all__ = [
     "logging_through_progress",
 ]
 
-SCHEMA_VERSION = 1
+#: 2: ``plan``'s ``required_bytes`` is reserved + context (was allocated + context), the figure
+#: cudaMalloc runs out of; ``find`` gained ``memory``, ``binding_limit``, ``tensor_fit``,
+#: ``snapshot`` and per-trial ``tensor_bytes`` / ``bound_bytes``.
+SCHEMA_VERSION = 2
 
 _PLAN_KEYS = frozenset({
     "strategy", "target", "capacity_bytes", "limit_bytes", "batch_size", "stop_reason", "steps_per_trial",
-    "fit", "trials", "num_trials", "num_ooms", "seconds",
+    "fit", "trials", "num_trials", "num_ooms", "seconds", "memory", "binding_limit", "tensor_fit", "snapshot",
 })
 _JOB_KEYS = frozenset({"schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp"})
 
@@ -106,7 +115,9 @@ SCHEMAS: dict[str, frozenset[str]] = {
         "micro_batch_changes", "accuracy", "samples_seen", "optimizer_steps", "total_ooms", "seconds",
     }),
     "train.plan": _PLAN_KEYS,
-    "trial": frozenset({"batch_size", "outcome", "peak_bytes", "start_bytes", "seconds"}),
+    "trial": frozenset({"batch_size", "outcome", "peak_bytes", "start_bytes", "seconds", "tensor_bytes",
+                        "bound_bytes"}),
+    "snapshot": frozenset({"bytes", "seconds", "on_disk"}),
     "fit": frozenset({"fixed_bytes", "bytes_per_sample"}),
     "lr": frozenset({"base", "base_size", "rule", "scaled"}),
     "step": frozenset({
@@ -179,13 +190,12 @@ def plan_record(plan: Any) -> dict[str, Any]:
     the finder never changes a JSON document by accident.
     """
     d = plan.to_dict() if hasattr(plan, "to_dict") else dict(plan)
-    fit = d.get("fit")
-    if fit is not None and not isinstance(fit, Mapping):
-        fit = {"fixed_bytes": fit.fixed_bytes, "bytes_per_sample": fit.bytes_per_sample}
+    fit, tensor_fit = _fit_record(d.get("fit")), _fit_record(d.get("tensor_fit"))
     trials = [
         {"batch_size": int(t["batch_size"]), "outcome": t["outcome"],
          "peak_bytes": _int_or_none(t.get("peak_bytes")), "start_bytes": _int_or_none(t.get("start_bytes")),
-         "seconds": float(t["seconds"])}
+         "seconds": float(t["seconds"]), "tensor_bytes": _int_or_none(t.get("tensor_bytes")),
+         "bound_bytes": _int_or_none(t.get("bound_bytes"))}
         for t in (x.to_dict() if hasattr(x, "to_dict") else x for x in d["trials"])
     ]
     return {
@@ -196,13 +206,25 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "batch_size": int(d["batch_size"]),
         "stop_reason": d.get("stop_reason"),
         "steps_per_trial": d.get("steps_per_trial"),
-        "fit": None if fit is None else {"fixed_bytes": int(round(fit["fixed_bytes"])),
-                                         "bytes_per_sample": int(round(fit["bytes_per_sample"]))},
+        "fit": fit,
         "trials": trials,
         "num_trials": len(trials),
         "num_ooms": sum(t["outcome"] == "oom" for t in trials),
         "seconds": float(d["seconds"]),
+        "memory": d.get("memory", "tensors"),
+        "binding_limit": d.get("binding_limit"),
+        "tensor_fit": tensor_fit,
+        "snapshot": {"bytes": int(d.get("snapshot_bytes", 0)), "seconds": float(d.get("snapshot_seconds", 0.0)),
+                     "on_disk": bool(d.get("snapshot_on_disk", False))},
     }
+
+
+def _fit_record(fit: Any) -> dict[str, int] | None:
+    if fit is None:
+        return None
+    if not isinstance(fit, Mapping):
+        fit = {"fixed_bytes": fit.fixed_bytes, "bytes_per_sample": fit.bytes_per_sample}
+    return {"fixed_bytes": int(round(fit["fixed_bytes"])), "bytes_per_sample": int(round(fit["bytes_per_sample"]))}
 
 
 # ---------------------------------------------------------------------------

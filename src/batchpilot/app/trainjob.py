@@ -35,7 +35,7 @@ from ..batching import LR_SCALE_RULES, is_adaptive, scale_lr
 from ..data import ElasticBatchSampler
 from ..engine import Engine, EngineConfig, StepResult
 from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
-from ..microbatch import supervised_loss
+from ..loss import supervised_loss
 from ..models import MLP, SmallCNN
 from ..oom import is_oom
 from ..search import STRATEGIES

@@ -21,6 +21,7 @@ from .workload import Workload
 __all__ = ["add_parser", "run", "find_document"]
 _STOPS = {
     "boundary": "exact: one more sample does not fit",
+    "tolerance": "within 2% of the boundary, as close as real memory can be measured",
     "max_batch_size": "capped by --max-batch-size",
     "strategy": "where the strategy stops, not necessarily the boundary",
     "max_trials": "stopped after the most trials allowed",
@@ -40,8 +41,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any, else cpu)")
     d.add_argument("--capacity", metavar="SIZE", type=byte_size, default=None,
                    help="size the batch for this much memory, e.g. 2GiB: on CPU an emulated device that raises "
-                        "a real OutOfMemoryError past it, on CUDA a per-process memory fraction. Required on CPU "
-                        "unless --max-batch-size bounds the search (default on accelerators: the whole device)")
+                        "a real OutOfMemoryError past it, on CUDA a per-process memory fraction (default: the "
+                        "device's real memory; on CPU, with --max-batch-size, the process's resident memory "
+                        "against its container limit, RLIMIT_AS or free RAM, whichever is tightest)")
     add_fit_options(p)
     s = p.add_argument_group("search")
     s.add_argument("--strategy", choices=tuple(STRATEGIES), default="predict",
@@ -82,8 +84,14 @@ def _human(doc: dict[str, Any]) -> str:
     ]
     fit = doc["fit"]
     if fit:
-        lines.append(f"memory fit: {format_bytes(fit['fixed_bytes'])} + {format_bytes(fit['bytes_per_sample'])} "
-                     "per sample")
+        lines.append(f"memory fit ({doc['memory']}): {format_bytes(fit['fixed_bytes'])} + "
+                     f"{format_bytes(fit['bytes_per_sample'])} per sample")
+    if doc["tensor_fit"]:
+        tf = doc["tensor_fit"]
+        lines.append(f"  of which tensors: {format_bytes(tf['fixed_bytes'])} + {format_bytes(tf['bytes_per_sample'])} "
+                     "per sample; the rest is allocator, kernel scratch and the runtime")
+    if doc["binding_limit"]:
+        lines.append(f"capacity set by: {doc['binding_limit']}")
     lines.append(
         f"batch size: {doc['batch_size']}  (limit {format_bytes(doc['limit_bytes'])} = {doc['target']:.0%} of "
         f"{format_bytes(doc['capacity_bytes'])}; {_STOPS.get(doc['stop_reason'], doc['stop_reason'])}; "
@@ -97,9 +105,13 @@ def run(args: argparse.Namespace) -> int:
                         optimizer=args.optimizer, amp=args.amp)
     device = device_or_fail(args.device)
     if device.type == "cpu" and args.capacity is None and args.max_batch_size is None:
+        # the search would be safe (trials judged on real memory, none past a limit that kills),
+        # but the largest batch a machine's RAM holds is far past a useful one, and its trials
+        # take minutes each
         raise UsageError(
-            "on CPU give --capacity (an emulated device, e.g. --capacity 2GiB) or --max-batch-size; "
-            "sizing for the machine's whole RAM would swap it"
+            "on CPU give --capacity (an emulated device, e.g. --capacity 2GiB) or --max-batch-size (to "
+            "size for this machine's real memory up to that batch): the largest batch all the RAM holds "
+            "takes minutes per trial"
         )
     if args.max_batch_size is not None and args.max_batch_size < args.min_batch_size:
         raise UsageError(f"--min-batch-size {args.min_batch_size} is above --max-batch-size {args.max_batch_size}")

@@ -88,7 +88,8 @@ def _human(doc: dict[str, Any]) -> str:
         if doc["device"] == "cuda":
             rows += [("allocated (allocator)", format_bytes(est["allocated_bytes"])),
                      ("reserved (allocator)", format_bytes(est["reserved_bytes"])),
-                     ("CUDA context", format_bytes(est["context_bytes"]))]
+                     ("CUDA context", format_bytes(est["context_bytes"])),
+                     ("required (reserved + context)", format_bytes(est["required_bytes"]))]
         lines.append(report.format_table(("part", "memory"), rows))
     lines += [
         "",
