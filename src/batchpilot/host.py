@@ -23,7 +23,7 @@ try:
 except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
-__all__ = ["HostLimits", "host_limits", "resident_bytes", "ResidentPeak", "trim_host_memory"]
+__all__ = ["HostLimits", "host_limits", "cgroup_dirs", "resident_bytes", "ResidentPeak", "trim_host_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,14 +170,16 @@ class HostLimits:
         return self.binding != "rlimit_as"
 
 
-def _cgroup_dirs() -> list[tuple[int, Path]]:
-    """``(version, directory)`` of this process's memory cgroup and its ancestors, innermost first."""
-    own = _read("/proc/self/cgroup")
-    mounts = _read("/proc/self/mountinfo")
-    if own is None or mounts is None:
-        return []
+def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path]]:
+    """``(version, directory)`` of a process's memory cgroup and its ancestors, innermost first.
+
+    Pure: ``proc_cgroup`` is the text of ``/proc/<pid>/cgroup`` and ``mountinfo`` that of
+    ``/proc/<pid>/mountinfo``. v1 lines name the ``memory`` controller, the v2 line has an empty
+    controller list; a mount whose root is not ``/`` (a container's namespaced view) shows the
+    cgroup path relative to that root.
+    """
     paths: dict[int, str] = {}
-    for line in own.splitlines():
+    for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -187,7 +189,7 @@ def _cgroup_dirs() -> list[tuple[int, Path]]:
         elif "memory" in controllers.split(","):
             paths[1] = path
     found: list[tuple[int, Path]] = []
-    for line in mounts.splitlines():
+    for line in mountinfo.splitlines():
         fields = line.split()
         if "-" not in fields:
             continue
@@ -198,7 +200,7 @@ def _cgroup_dirs() -> list[tuple[int, Path]]:
         if version == 0 or version not in paths:
             continue
         rel = paths[version]
-        if root != "/" and rel.startswith(root):  # a namespaced mount shows the cgroup from its root
+        if root != "/" and rel.startswith(root):
             rel = rel[len(root):]
         d = mount_point / rel.lstrip("/")
         while True:
@@ -207,6 +209,11 @@ def _cgroup_dirs() -> list[tuple[int, Path]]:
                 break
             d = d.parent
     return found
+
+
+def _cgroup_dirs() -> list[tuple[int, Path]]:
+    own, mounts = _read("/proc/self/cgroup"), _read("/proc/self/mountinfo")
+    return [] if own is None or mounts is None else cgroup_dirs(own, mounts)
 
 
 def _cgroup_limit_and_use() -> tuple[int | None, int | None]:

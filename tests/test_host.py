@@ -1,0 +1,79 @@
+"""What limits a process's memory on the host (batchpilot.host), and the resident peak."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot.host import HostLimits, ResidentPeak, cgroup_dirs, host_limits, resident_bytes, trim_host_memory
+
+GiB = 2**30
+
+V1 = "9:name=systemd:/\n4:memory:/kubepods/pod1/c1\n1:cpu,cpuacct:/kubepods/pod1/c1\n0::/\n"
+V1_MOUNTS = (
+    "30 25 0:27 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
+    "31 25 0:28 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+)
+V2 = "0::/user.slice/job.scope\n"
+V2_MOUNTS = "27 22 0:24 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_cgroup_v1_path_and_ancestors_innermost_first():
+    dirs = cgroup_dirs(V1, V1_MOUNTS)
+    assert dirs == [(1, Path(p)) for p in (
+        "/sys/fs/cgroup/memory/kubepods/pod1/c1", "/sys/fs/cgroup/memory/kubepods/pod1",
+        "/sys/fs/cgroup/memory/kubepods", "/sys/fs/cgroup/memory")]
+
+
+def test_cgroup_v2_path_and_a_namespaced_mount():
+    assert cgroup_dirs(V2, V2_MOUNTS)[0] == (2, Path("/sys/fs/cgroup/user.slice/job.scope"))
+    # inside a container the mount's root is the container's own cgroup
+    mounts = "27 22 0:24 /user.slice/job.scope /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    assert cgroup_dirs(V2, mounts) == [(2, Path("/sys/fs/cgroup"))]
+    assert cgroup_dirs("", V2_MOUNTS) == []
+
+
+def test_the_tightest_limit_binds_and_only_rlimit_as_raises():
+    limits = HostLimits(resident_bytes=1 * GiB, cgroup_limit_bytes=4 * GiB, cgroup_used_bytes=3 * GiB,
+                        rlimit_as_bytes=10 * GiB, address_space_bytes=8 * GiB, available_bytes=20 * GiB)
+    assert limits.headrooms() == {"physical": 20 * GiB, "cgroup": 1 * GiB, "rlimit_as": 2 * GiB}
+    assert limits.binding == "cgroup" and limits.kills
+    assert limits.capacity_bytes == 2 * GiB  # what it holds now plus the cgroup's headroom
+    capped = HostLimits(resident_bytes=1 * GiB, rlimit_as_bytes=3 * GiB, address_space_bytes=2 * GiB,
+                        available_bytes=20 * GiB)
+    assert capped.binding == "rlimit_as" and not capped.kills and capped.capacity_bytes == 2 * GiB
+    assert HostLimits(resident_bytes=GiB, available_bytes=5 * GiB).binding == "physical"
+
+
+def test_this_process_reads_as_a_real_host():
+    limits = host_limits()
+    assert limits.resident_bytes == pytest.approx(resident_bytes(), rel=0.1)
+    assert limits.available_bytes > 0 and limits.capacity_bytes > limits.resident_bytes
+
+
+def test_the_resident_peak_resets_and_sees_a_spike():
+    peak = ResidentPeak()
+    trim_host_memory()
+    peak.reset()
+    before = peak.peak()
+    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
+    del x
+    trim_host_memory()
+    assert peak.peak() - before >= 60 * 2**20
+    peak.reset()
+    assert peak.peak() < before + 32 * 2**20  # back to what is resident now
+
+
+def test_rlimit_as_is_read_in_a_child():
+    code = (
+        "import resource; from batchpilot.host import host_limits\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))\n"
+        "l = host_limits(); print(l.rlimit_as_bytes, l.headrooms()['rlimit_as'] > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(8 * 2**30), "True"]
