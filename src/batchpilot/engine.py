@@ -328,7 +328,7 @@ class Engine:
         measured = True  # every device has a real figure now (see StepResult.memory)
         probe = self._probe = self._step_gauge()
         self._step_capacity = None
-        if probe.kind == "resident" and not self.fixed:
+        if probe.host and not self.fixed:
             trim_host_memory()  # freed heap back to the OS, so the resident peak is this step's
         fixed = self.fixed
         if not fixed:
@@ -727,7 +727,7 @@ class Engine:
         dev = self.device
         if dev.type == "cpu":
             tracker = active_tracker(dev)
-            key: tuple = ("tensors",) if tracker is not None else ("resident",)
+            key: tuple = ("tensors",) if tracker is not None else ("host",)
             emulated = None if tracker is None else (tracker.capacity or 0)
         else:
             emulated = getattr(get_probe(dev), "_capacity_override", None)

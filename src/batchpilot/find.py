@@ -162,7 +162,7 @@ class BatchPlan:
         memory: the figure the trials were judged on: ``"tensors"`` (an emulated
             capacity on CPU), ``"resident"`` (the process's real memory on CPU),
             ``"device"`` (reserved plus outside PyTorch on CUDA) or ``"allocated"``.
-        tensor_fit: with ``memory == "resident"``, the line of the tensor bytes alone
+        tensor_fit: on a real CPU (``memory == "resident"``), the line of the tensor bytes alone
             (exact); ``fit`` minus it is the rest (allocator, kernel scratch, the runtime).
         binding_limit: on a real CPU, the limit that set the capacity: ``"cgroup"``,
             ``"rlimit_as"`` or ``"physical"``; else ``None``.
@@ -323,7 +323,7 @@ def find_batch_size(
             logger.info(
                 "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
                 dev, policy.name, gauge.kind, format_bytes(space.limit_bytes), 100 * cfg.target,
-                format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.kind == "resident" else "",
+                format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.host else "",
             )
             bar = _progress_bar(cfg.progress, policy.name)
             trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap)
@@ -335,8 +335,9 @@ def find_batch_size(
                     bar.set_postfix(batch=t.batch_size, outcome=t.outcome)
 
             trial_fn.space = space
+            learner = _CapacityLearner(cfg.target, estimated=gauge.host)
             result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report,
-                                revise=lambda sp, t: _revise(sp, t, cfg.target))
+                                revise=lambda sp, t: _trial_space(trial_fn, learner(sp, t)))
             space = result.space or space
     finally:
         if bar is not None:
@@ -347,14 +348,14 @@ def find_batch_size(
     if result.batch_size is None:
         raise _nothing_fits(result.trials, space, dev, result.stop_reason)
     line = fit_line(result.trials, space.limit_bytes)
-    tensor_line = _tensor_line(result.trials) if gauge.kind == "resident" else None
+    tensor_line = _tensor_line(result.trials) if gauge.host else None
     plan = BatchPlan(
         batch_size=result.batch_size, target=float(cfg.target), capacity=int(space.capacity_bytes),
         limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=result.trials,
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
         seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
         steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
-        tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.kind == "resident" else None,
+        tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.host else None,
         snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
     )
     if result.stop_reason == "max_trials":
@@ -384,22 +385,45 @@ def _ambient_capacity(device: torch.device) -> int | None:
 def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:
     if choice != "auto":
         return choice == "disk"
-    if gauge.kind != "resident":
+    if not gauge.host:
         return False  # an accelerator's snapshot is host memory; an emulated CPU's is untracked
     # the share of what the job may still grow into, not of the whole process
     return StateSnapshot.objects_nbytes(targets) >= _SPILL_SHARE * max(1, gauge.capacity() - gauge.current())
 
 
-def _revise(space: SearchSpace, trial: Trial, target: float) -> SearchSpace | None:
-    """After an OOM: the real capacity is below what the failed step had reached (its lower bound)."""
-    if trial.outcome != OOM or trial.peak_bytes is None or trial.bound_bytes is None:
+class _CapacityLearner:
+    """Correct the capacity from what each trial proves.
+
+    An OOM whose allocator said how much it asked for proves the real capacity is below the
+    peak reached plus that request (``Trial.bound_bytes``). On a real CPU, where the capacity is
+    an estimate (the headroom under ``RLIMIT_AS`` counts mapped address space, some of which
+    becomes resident without a new mapping), a trial that completed with a peak above it proves
+    the capacity is at least that peak. The limit follows as ``target × capacity``.
+    """
+
+    def __init__(self, target: float, estimated: bool) -> None:
+        self.target, self.estimated = target, estimated
+        self.below: int | None = None  # the lowest OOM bound: the capacity is under it
+
+    def __call__(self, space: SearchSpace, trial: Trial) -> SearchSpace | None:
+        cap = space.capacity_bytes
+        if trial.outcome == OOM and trial.bound_bytes is not None:
+            self.below = trial.bound_bytes if self.below is None else min(self.below, trial.bound_bytes)
+            if self.below <= cap:
+                new = self.below - 1
+                logger.info("the OOM at batch %d shows the capacity is under %s, not %s", trial.batch_size,
+                            format_bytes(self.below), format_bytes(cap))
+                return self._space(space, new)
+        elif self.estimated and trial.measured and trial.peak_bytes > cap:
+            new = trial.peak_bytes if self.below is None else min(trial.peak_bytes, self.below - 1)
+            if new > cap:
+                logger.info("batch %d ran to %s without running out: the capacity is at least that, not %s",
+                            trial.batch_size, format_bytes(new), format_bytes(cap))
+                return self._space(space, new)
         return None
-    bound = trial.bound_bytes
-    if bound >= space.capacity_bytes:
-        return None
-    logger.info("the OOM at batch %d shows the capacity is at most %s, not %s", trial.batch_size,
-                format_bytes(bound), format_bytes(space.capacity_bytes))
-    return dataclasses.replace(space, capacity_bytes=bound, limit_bytes=max(1, int(target * bound)))
+
+    def _space(self, space: SearchSpace, capacity: int) -> SearchSpace:
+        return dataclasses.replace(space, capacity_bytes=capacity, limit_bytes=max(1, int(self.target * capacity)))
 
 
 def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
@@ -407,6 +431,12 @@ def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
     proxies = [Trial(batch_size=t.batch_size, outcome=t.outcome, peak_bytes=t.tensor_bytes) for t in pts]
     line = fit_line(proxies)
     return None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1])
+
+
+def _trial_space(runner: _TrialRunner, space: SearchSpace | None) -> SearchSpace | None:
+    if space is not None:
+        runner.space = space  # later trials are judged, and refused, against the revised space
+    return space
 
 
 class _TrialRunner:
@@ -425,7 +455,7 @@ class _TrialRunner:
             self.done.append(refused)
             return refused
         holder: list[Any] = []
-        real = self.gauge.kind == "resident"
+        real = self.gauge.host
 
         def run() -> None:
             # on a real CPU a tracker runs alongside for the breakdown (tensor bytes vs the rest)
@@ -444,12 +474,24 @@ class _TrialRunner:
         # real memory keeps part of a step's memory resident (allocator caches) into the next,
         # so what is in use before the first step is the floor; the tracker's is exact per step
         base = None if self.gauge.kind == "tensors" else int(self.gauge.current())
-        # the restore runs after the OOM's traceback is gone, before memory is released
-        outcome = attempt(run, device=self.device, on_oom=self.snapshot.restore)
-        self.gauge.synchronize()
-        peak = self.gauge.peak()
-        if not outcome.oom:
+        peaks: list[int] = []
+
+        def put_back() -> None:
+            # the peak first: the restore allocates too. On a real CPU the trial's freed heap goes
+            # back to the OS before the restore maps its copies (under RLIMIT_AS that mapping
+            # counts, and right after a trial at the boundary there is no room for it otherwise)
+            self.gauge.synchronize()
+            peaks.append(int(self.gauge.peak()))
+            self.gauge.close()
+            if real:
+                free_memory(self.device)
             self.snapshot.restore()
+
+        # the restore runs after the OOM's traceback is gone, before memory is released
+        outcome = attempt(run, device=self.device, on_oom=put_back)
+        if not outcome.oom:
+            put_back()
+        peak = peaks[0]
         seconds = time.perf_counter() - began
         m = holder[0] if holder else None
         start = holder[1] if len(holder) > 1 else None
@@ -778,7 +820,7 @@ def _plan_seed(
     pool = sum(accounting.block_size(n) if accounting else n for n in _pool_storage_bytes(batch, device))
     if gauge.kind != "tensors":
         gauge.reset()  # a CUDA gauge reads what is outside PyTorch here
-        pool = max(pool, 0) + int(gauge.current()) if gauge.kind == "resident" else pool + gauge.outside
+        pool = max(pool, 0) + int(gauge.current()) if gauge.host else pool + gauge.outside
     if limit <= pool:
         logger.info("plan_first: the example batch alone (%s) fills the limit %s; searching unseeded",
                     format_bytes(pool), format_bytes(limit))
@@ -799,7 +841,7 @@ def _plan_seed(
         logger.info("plan_first: the plan says even a batch of 1 needs more than %s; searching unseeded",
                     format_bytes(limit - pool))
         return _Seed(batch_size=None, seconds=seconds)
-    guess = plan.batch_size if gauge.kind != "resident" else max(1, plan.batch_size // 2)
+    guess = plan.batch_size if not gauge.host else max(1, plan.batch_size // 2)
     logger.info("plan_first: planned batch %d in %d fake runs (%.2fs); verifying %d on %s",
                 plan.batch_size, len(plan.evaluations), seconds, guess, device)
     return _Seed(batch_size=guess, seconds=seconds)

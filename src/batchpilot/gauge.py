@@ -31,6 +31,8 @@ class Gauge:
 
     kind = "allocated"
     kills = False
+    #: the figure is the host process's real memory (then ``limits`` says what limits it)
+    host = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -50,6 +52,9 @@ class Gauge:
 
     def synchronize(self) -> None:
         get_probe(self.device).synchronize()
+
+    def close(self) -> None:
+        """Release what the gauge holds between uses (nothing, for most)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
@@ -84,6 +89,7 @@ class ResidentGauge(Gauge):
     """The process's resident set against the tightest host limit (cgroup, ``RLIMIT_AS``, RAM)."""
 
     kind = "resident"
+    host = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

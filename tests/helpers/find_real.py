@@ -1,0 +1,73 @@
+"""The finder told nothing about the memory, under a real RLIMIT_AS cap (run in a fresh process).
+
+    python find_real.py MODEL HEADROOM_MIB
+
+Builds a reference model with a warmed-up Adam, caps the address space at what is mapped plus
+HEADROOM_MIB, runs ``find_batch_size(step, target=1.0, restore=(model, opt))`` with no
+``capacity``, then checks the answer in the same process: 2 steps at it run, 2 steps at 6% more
+run out of memory. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rlimit import cap_address_space  # noqa: E402
+
+from batchpilot import find_batch_size  # noqa: E402
+from batchpilot.models import MLP, SmallCNN, TransformerBlockModel  # noqa: E402
+from batchpilot.oom import attempt  # noqa: E402
+
+torch.set_num_threads(1)
+# convolution back ends that allocate outside PyTorch's allocator segfault under RLIMIT_AS
+torch.backends.mkldnn.enabled = False
+torch.backends.nnpack.set_flags(False)
+
+name, headroom = sys.argv[1], int(sys.argv[2]) * 2**20
+torch.manual_seed(0)
+model = {"cnn": lambda: SmallCNN(in_channels=3, widths=(8, 16, 32)),
+         "mlp": lambda: MLP(in_features=1024, width=128, depth=8),
+         "transformer": lambda: TransformerBlockModel(dim=64, heads=4, layers=2, seq_len=64)}[name]()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+criterion = nn.CrossEntropyLoss()
+
+
+def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "transformer":
+        return torch.randint(0, 256, (b, 64)), torch.randint(0, 10, (b,))
+    x = torch.randn(b, 3, 32, 32) if name == "cnn" else torch.randn(b, 1024)
+    return x, torch.randint(0, 10, (b,))
+
+
+def step(b: int) -> None:
+    x, y = batch(b)
+    opt.zero_grad(set_to_none=True)
+    criterion(model(x), y).backward()
+    opt.step()
+
+
+step(2)  # kernels loaded, Adam's state created
+cap_address_space(headroom)
+plan = find_batch_size(step, target=1.0, restore=(model, opt))
+
+
+def two_steps(b: int) -> None:
+    step(b)
+    step(b)
+
+
+fits = not attempt(two_steps, plan.batch_size).oom
+above = attempt(two_steps, math.ceil(plan.batch_size * 1.06)).oom
+print(json.dumps({
+    "batch_size": plan.batch_size, "memory": plan.memory, "binding": plan.binding_limit,
+    "trials": [[t.batch_size, t.outcome] for t in plan.trials], "ooms": plan.num_ooms,
+    "stop_reason": plan.stop_reason, "fits": fits, "six_percent_more_fails": above,
+    "capacity": plan.capacity,
+}))
