@@ -28,6 +28,7 @@ import itertools
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,8 +294,9 @@ def memory_cgroup(limit_bytes: int) -> Iterator[Cgroup]:
 def cgroup_unavailable_reason() -> str | None:
     """Why no memory cgroup can be made here, or ``None`` when one can.
 
-    Tries for real: creates a group, sets a limit, removes it. The reason names what
-    failed (no controller, read-only hierarchy, not root and not delegated).
+    Tries for real: creates a group, sets a limit, runs a process in it, removes it. The
+    reason names what failed (no controller, read-only hierarchy, not root and not
+    delegated, a cgroup2 parent that may not take processes).
     """
     if not Path("/proc/self/mountinfo").exists():
         return "no /proc/self/mountinfo: not Linux, or /proc is not mounted"
@@ -302,8 +304,12 @@ def cgroup_unavailable_reason() -> str | None:
     if parent is None:
         return reason
     try:
-        with memory_cgroup(_PROBE_LIMIT):
-            pass
+        with memory_cgroup(_PROBE_LIMIT) as cg:
+            proc = cg.run([sys.executable, "-S", "-c", "pass"], timeout=60)
+        if proc.returncode != 0:
+            return f"a process in a memory cgroup under {parent.path} exited with {proc.returncode}: {proc.stderr[-200:]}"
+    except subprocess.SubprocessError as exc:  # the child could not write its pid into cgroup.procs
+        return f"cannot move a process into a memory cgroup under {parent.path}: {exc}"
     except PermissionError as exc:
         who = "not root" if os.geteuid() != 0 else "root"
         return f"{who} (uid {os.geteuid()}) and not allowed to create a memory cgroup under {parent.path}: {exc}"
