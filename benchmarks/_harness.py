@@ -38,6 +38,7 @@ __all__ = [
     "cap_address_space",
     "is_allocator_oom",
     "CallLog",
+    "merge_calls",
     "emit",
     "load_cache",
     "store_cache",
@@ -352,13 +353,23 @@ class CallLog:
 
     Kinds: ``"ok"``, ``"oom"`` (the real allocator error), ``"emulated_oom"`` (batchpilot's
     tracker past its capacity), ``"error"`` (anything else; re-raised like the others).
+    ``on_event(b, kind)``, if given, is told ``"start"`` before each call and the kind after
+    it: a journal that outlives a process the kernel kills mid-call.
     """
 
-    def __init__(self, fn: Callable[[int], Any]) -> None:
+    def __init__(self, fn: Callable[[int], Any], on_event: Callable[[int, str], None] | None = None) -> None:
         self.fn = fn
+        self.on_event = on_event
         self.calls: list[tuple[int, str]] = []  # (batch size, kind)
 
+    def _record(self, b: int, kind: str) -> None:
+        self.calls.append((b, kind))
+        if self.on_event is not None:
+            self.on_event(b, kind)
+
     def __call__(self, b: int) -> Any:
+        if self.on_event is not None:
+            self.on_event(b, "start")
         try:
             out = self.fn(b)
         except BaseException as exc:
@@ -368,9 +379,9 @@ class CallLog:
                 kind = "emulated_oom"
             else:
                 kind = "error"
-            self.calls.append((b, kind))
+            self._record(b, kind)
             raise
-        self.calls.append((b, "ok"))
+        self._record(b, "ok")
         return out
 
     def trials(self) -> list[tuple[int, set[str]]]:
@@ -378,13 +389,18 @@ class CallLog:
 
         Returns ``[(batch size, kinds of the calls)]``, kinds as in :attr:`calls`.
         """
-        out: list[tuple[int, set[str]]] = []
-        for b, kind in self.calls:
-            if out and out[-1][0] == b and out[-1][1] == {"ok"}:
-                out[-1][1].add(kind)
-            else:
-                out.append((b, {kind}))
-        return out
+        return merge_calls(self.calls)
+
+
+def merge_calls(calls: Sequence[tuple[int, str]]) -> list[tuple[int, set[str]]]:
+    """``[(b, kind)]`` calls merged into trials: consecutive calls at one size, until one fails."""
+    out: list[tuple[int, set[str]]] = []
+    for b, kind in calls:
+        if out and out[-1][0] == b and out[-1][1] == {"ok"}:
+            out[-1][1].add(kind)
+        else:
+            out.append((b, {kind}))
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,8 @@ Methods (the peers are the installed packages, run as themselves):
   exist before the cap (the tracker counts those; the cap does not), ``target=1.0`` (the
   same goal as the peers: the largest batch that runs) -- see benchmarks/README.md.
 - ``batchpilot-predict@0.8``: the finder's default target, for reference (full runs only).
+- ``batchpilot-predict (no capacity)``: ``find_batch_size`` told nothing about the cap: it
+  must find the real limit itself, from the allocator's errors.
 - ``lightning-power`` / ``lightning-binsearch``: ``Tuner.scale_batch_size`` with its
   defaults (``init_val=2``, ``steps_per_trial=3``, ``max_trials=25``, ``margin=0.05``,
   ``max_val=8192``) on a LightningModule wrapping the same model, optimizer and data.
@@ -23,23 +25,36 @@ same cap, found by bisection with every probe in a fresh process, cached in
 ``benchmarks/.cache/peers_truth.json`` keyed by model, configuration, cap, allocator settings,
 torch version and harness version. Method, counting and results: benchmarks/README.md.
 
+``--container`` replaces the address-space cap by a container's: every process (each
+measurement and each truth probe) joins a fresh memory cgroup limited to ``--container-mib``
+(tests/helpers/cgroup.py) as its first act, and nothing caps its address space. Past the
+limit the kernel SIGKILLs it: no error to catch, no answer. A journal file, written line by
+line as trials start and end, keeps the trials of a killed process. Without a cgroup the
+mode prints why and skips.
+
     python benchmarks/peers.py                       # 3 models, 64 MiB
     python benchmarks/peers.py --quick               # 1 small model, 16 MiB: a smoke test
     python benchmarks/peers.py --models cnn --cap-mib 256 --json peers.json
+    python benchmarks/peers.py --container           # 3 models, each process in a 1.5 GiB cgroup
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
+import os
+import re
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 from _harness import (  # noqa: E402
     BENCH_MODELS,
@@ -54,9 +69,11 @@ from _harness import (  # noqa: E402
     largest_fitting,
     load_cache,
     machine,
+    merge_calls,
     passthrough,
     store_cache,
 )
+from cgroup import cgroup_unavailable_reason, join_cgroup, memory_cgroup  # noqa: E402
 
 MiB = 2**20
 TRUTH_CACHE = CACHE_DIR / "peers_truth.json"
@@ -64,13 +81,24 @@ TRUTH_STEPS = 2
 # Bump when the harness changes what a probe allocates (data pipeline, warm-up): cached truths then expire.
 HARNESS_VERSION = 4
 BATCHPILOT = ("batchpilot-predict", "batchpilot-power", "batchpilot-binsearch")
+NO_CAPACITY = " (no capacity)"  # a batchpilot method told nothing about the cap
 LIGHTNING = ("lightning-power", "lightning-binsearch")
-METHODS = (*BATCHPILOT, "batchpilot-predict@0.8", *LIGHTNING, "accelerate")
-QUICK_METHODS = (*BATCHPILOT, *LIGHTNING, "accelerate")
+METHODS = (*BATCHPILOT, "batchpilot-predict" + NO_CAPACITY, "batchpilot-predict@0.8", *LIGHTNING, "accelerate")
+QUICK_METHODS = (*BATCHPILOT, "batchpilot-predict" + NO_CAPACITY, *LIGHTNING, "accelerate")
+# --container: a capacity would be the limit itself, so batchpilot runs only without one
+CONTAINER_METHODS = ("batchpilot-predict@0.9" + NO_CAPACITY, "batchpilot-predict" + NO_CAPACITY, *LIGHTNING,
+                     "accelerate")
+CONTAINER_DEFAULT = ("batchpilot-predict@0.9" + NO_CAPACITY, "lightning-power", "accelerate")
 REFERENCE = "batchpilot-predict"
-COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "emulated", "seconds", "x predict", "outcome")
+PEER_REFERENCE = "lightning-power"
+COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "emulated", "seconds", "x predict",
+           "÷ lightning-power", "outcome")
+CONTAINER_COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "killed", "seconds",
+                     "÷ lightning-power", "outcome")
 # Imported once by the fork server, so that every measurement starts with them loaded.
-PRELOAD = ("torch", "_harness", "peers", "batchpilot.find", "batchpilot.app.report", "lightning",
+# torch._dynamo (and sympy with it, ~100 MB) is what the first optimizer step imports: without
+# it here every child of a server without Lightning would pay it, and in a cgroup that counts.
+PRELOAD = ("torch", "torch._dynamo", "_harness", "peers", "batchpilot.find", "batchpilot.app.report", "lightning",
            "lightning.pytorch.tuner", "accelerate", "accelerate.utils")
 _runners: dict[str, ForkRunner] = {}
 
@@ -90,12 +118,15 @@ class Setting:
             process (SIGSEGV); NNPACK's workspace raises "posix_memalign failed: Cannot allocate
             memory (12)". Off, convolutions use PyTorch's native kernels and every allocation
             failure is the allocator's "DefaultCPUAllocator: can't allocate memory".
+        container_mib: when not 0, the memory cgroup limit each process runs under instead
+            of the address-space cap (``cap_mib`` is then 0 and unused).
     """
 
     cap_mib: int
     quick: bool = False
     malloc: str = "fixed"
     conv_backends: bool = False
+    container_mib: int = 0
 
 
 def _crashed(exc: BaseException) -> str:
@@ -111,8 +142,66 @@ def _fork(function: str, spec: dict[str, Any], timeout: float = 900) -> Any:
     return _runners[malloc]("peers", function, spec, timeout=timeout)
 
 
+def _fork_capped(function: str, spec: dict[str, Any], setting: Setting,
+                 timeout: float = 900) -> tuple[Any, dict[str, Any] | None]:
+    """:func:`_fork`; in container mode inside a fresh memory cgroup, whose kill count comes back too."""
+    if not setting.container_mib:
+        return _fork(function, spec, timeout), None
+    with memory_cgroup(setting.container_mib * MiB) as cg:
+        r = _fork(function, {**spec, "cgroup": str(cg.path)}, timeout)
+        return r, {"oom_kills": cg.oom_kills, "peak_bytes": cg.peak_bytes, "limit_bytes": cg.limit_bytes}
+
+
+def parse_method(method: str) -> tuple[str, str, float | None, bool]:
+    """``"batchpilot-predict@0.9 (no capacity)"`` -> ``("batchpilot", "predict", 0.9, True)``.
+
+    Raises:
+        ValueError: not a method name of this benchmark.
+    """
+    m = re.fullmatch(r"(batchpilot|lightning)-(\w+)(?:@([0-9.]+))?( \(no capacity\))?|accelerate", method)
+    if m is None:
+        raise ValueError(f"unknown method {method!r}")
+    if method == "accelerate":
+        return "accelerate", "", None, False
+    return m.group(1), m.group(2), float(m.group(3)) if m.group(3) else None, bool(m.group(4))
+
+
 # ---------------------------------------------------------------------------
 # children: one measurement each, in a fresh process
+
+
+def _enter(spec: dict[str, Any]) -> None:
+    """A child's first act in container mode: join the fresh cgroup the parent made for it.
+
+    What the child inherited from the fork server is charged to the group only when written.
+    ``gc.freeze()`` first (it relinks lists, writing no object): otherwise the first
+    ``gc.collect()`` (Accelerate's, Lightning's, batchpilot's recovery) writes the GC header
+    of every inherited object and copies the whole imported heap into the group: about
+    100 MB more for the methods that collect garbage (quick MLP, 2026-12-01: Accelerate's
+    process peaked at 114 MB instead of 14 MB, Lightning power's at 139 MB instead of 48 MB).
+    """
+    if spec.get("cgroup"):
+        gc.freeze()
+        join_cgroup(spec["cgroup"])
+
+
+def _cap(setting: Setting) -> None:
+    """The address-space cap, after the warm-up; none in container mode (the cgroup limits)."""
+    if not setting.container_mib:
+        cap_address_space(setting.cap_mib * MiB)
+
+
+def _journal(spec: dict[str, Any]) -> Callable[[Any, str], None] | None:
+    """Container mode: a line per event, written before the next step, so a SIGKILL keeps it."""
+    path = spec.get("journal")
+    if not path:
+        return None
+    f = open(path, "a", buffering=1)  # line-buffered: each line is one write() the kernel already holds
+
+    def note(b: Any, kind: str) -> None:
+        f.write(json.dumps([b, kind, time.time()]) + "\n")
+
+    return note
 
 
 def _prepare(spec: dict[str, Any]) -> tuple[Workload, Setting]:
@@ -128,9 +217,10 @@ def _prepare(spec: dict[str, Any]) -> tuple[Workload, Setting]:
 
 
 def _probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Does ``batch`` train ``TRUTH_STEPS`` steps under the cap?"""
+    """Does ``batch`` train ``TRUTH_STEPS`` steps under the cap? (In a container, "no" is a SIGKILL.)"""
+    _enter(spec)
     w, setting = _prepare(spec)
-    cap_address_space(setting.cap_mib * MiB)
+    _cap(setting)
     try:
         for _ in range(TRUTH_STEPS):
             w.train_step(spec["batch"])
@@ -144,11 +234,15 @@ def _probe(spec: dict[str, Any]) -> dict[str, Any]:
 def _batchpilot(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str, Any]:
     from batchpilot.find import find_batch_size
 
-    strategy = spec["method"].split("-", 1)[1].split("@")[0]
-    target = float(spec["method"].split("@")[1]) if "@" in spec["method"] else spec["target"]
-    capacity = setting.cap_mib * MiB + w.state_bytes()
-    log = CallLog(w.train_step)
-    cap_address_space(setting.cap_mib * MiB)
+    _, strategy, target, no_capacity = parse_method(spec["method"])
+    target = spec["target"] if target is None else target
+    # the tracker counts what exists before the cap; the cap does not
+    capacity = None if no_capacity else setting.cap_mib * MiB + w.state_bytes()
+    note = _journal(spec)
+    log = CallLog(w.train_step, on_event=note)
+    _cap(setting)
+    if note is not None:
+        note(None, "begin")
     t0 = time.perf_counter()
     found, outcome, doc = None, "ok", {}
     try:
@@ -202,15 +296,19 @@ def _lightning(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str,
     # observes (it calls through and re-raises), so a trial that fails before its first batch counts too.
     runs: list[list[Any]] = []
     try_loop_run = scaling._try_loop_run
+    note = _journal(spec) or (lambda b, kind: None)
 
     def observed(trainer: Any, params: Any) -> None:
         b = trainer.lightning_module.batch_size
+        note(b, "start")
         try:
             try_loop_run(trainer, params)
         except BaseException as exc:
             runs.append([b, "oom" if is_allocator_oom(exc) else "error"])
+            note(*runs[-1])
             raise
         runs.append([b, "ok"])
+        note(b, "ok")
 
     root = tempfile.mkdtemp(prefix="bp-peers-")
 
@@ -221,9 +319,10 @@ def _lightning(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str,
     # Warm-up fit before the cap: Lightning's lazy imports and one-time set-up are not the search.
     trainer(max_steps=1).fit(Module())
     module, tuner_trainer = Module(), trainer()
-    mode = spec["method"].split("-", 1)[1]
+    mode = parse_method(spec["method"])[1]
     scaling._try_loop_run = observed
-    cap_address_space(setting.cap_mib * MiB)
+    _cap(setting)
+    note(None, "begin")
     t0 = time.perf_counter()
     found, outcome = None, "ok"
     try:
@@ -246,9 +345,11 @@ def _accelerate(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str
     from torch.utils.data import DataLoader
 
     calls: list[tuple[int, str]] = []  # (batch size, "ok" | "oom" | "error")
+    note = _journal(spec) or (lambda b, kind: None)
 
     @find_executable_batch_size(starting_batch_size=spec["start"])
     def train(batch_size: int) -> int:
+        note(batch_size, "start")
         loader = iter(DataLoader(w.dataset, batch_size=batch_size, collate_fn=passthrough))
         try:
             for _ in range(TRUTH_STEPS):
@@ -258,12 +359,15 @@ def _accelerate(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str
                 w.optimizer.step()
         except BaseException as exc:
             calls.append((batch_size, "oom" if is_allocator_oom(exc) else "error"))
+            note(*calls[-1])
             raise
         calls.append((batch_size, "ok"))
+        note(batch_size, "ok")
         return batch_size
 
     clear_device_cache(garbage_collection=True)  # its first call imports and probes backends: before the cap
-    cap_address_space(setting.cap_mib * MiB)
+    _cap(setting)
+    note(None, "begin")
     t0 = time.perf_counter()
     found, outcome = None, "ok"
     try:
@@ -280,19 +384,14 @@ def _accelerate(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str
 
 
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
-    method = spec["method"]
-    if method.startswith("lightning"):
+    _enter(spec)
+    family = parse_method(spec["method"])[0]
+    if family == "lightning":
         import lightning  # noqa: F401  imported before the cap, as a user's script would
-    if method == "accelerate":
+    if family == "accelerate":
         import accelerate  # noqa: F401
     w, setting = _prepare(spec)
-    if method.startswith("batchpilot"):
-        return _batchpilot(w, setting, spec)
-    if method.startswith("lightning"):
-        return _lightning(w, setting, spec)
-    if method == "accelerate":
-        return _accelerate(w, setting, spec)
-    raise ValueError(f"unknown method {method!r}")
+    return {"batchpilot": _batchpilot, "lightning": _lightning, "accelerate": _accelerate}[family](w, setting, spec)
 
 
 # ---------------------------------------------------------------------------
@@ -303,7 +402,10 @@ def _truth_key(model: str, setting: Setting) -> str:
     import torch
 
     cfg = (QUICK_MODELS if setting.quick else BENCH_MODELS)[model]
-    return json.dumps({"model": model, "config": cfg, **asdict(setting), "steps": TRUTH_STEPS,
+    cap = asdict(setting)
+    if not cap["container_mib"]:  # keys from before container mode stay valid
+        del cap["container_mib"]
+    return json.dumps({"model": model, "config": cfg, **cap, "steps": TRUTH_STEPS,
                        "torch": torch.__version__, "harness": HARNESS_VERSION}, sort_keys=True)
 
 
@@ -327,7 +429,14 @@ def _guess(model: str, cap_mib: int, quick: bool) -> int:
 
 
 def true_max(model: str, setting: Setting, *, use_cache: bool = True, log=print) -> dict[str, Any]:
-    """Largest batch that trains under the cap, by bisection over fresh-process probes (cached)."""
+    """Largest batch that trains under the cap, by bisection over fresh-process probes (cached).
+
+    In container mode each probe runs in its own fresh cgroup with the same limit, and a
+    batch does not fit when the kernel kills the probe.
+
+    Raises:
+        RuntimeError: a probe failed for another reason than the cap.
+    """
     key = _truth_key(model, setting)
     cache = load_cache(TRUTH_CACHE) if use_cache else {}
     if key in cache:
@@ -337,17 +446,21 @@ def true_max(model: str, setting: Setting, *, use_cache: bool = True, log=print)
 
     def fits(b: int) -> bool:
         spec = {"kind": "probe", "model": model, "batch": b, "setting": asdict(setting)}
-        r = _fork("_probe", spec, timeout=600)
+        r, cg = _fork_capped("_probe", spec, setting, timeout=600)
+        if cg is not None and not r.ok and r.returncode == -9 and cg["oom_kills"]:
+            probes[b] = False  # the container's answer to "does not fit"
+            return False
         if not r.ok:
-            raise RuntimeError(f"truth probe {model} b={b} failed (rc {r.returncode}):\n{r.stderr}")
+            raise RuntimeError(f"truth probe {model} b={b} failed (rc {r.returncode}, cgroup {cg}):\n{r.stderr}")
         probes[b] = r.data["ok"]
         return probes[b]
 
-    g = _guess(model, setting.cap_mib, setting.quick)
+    cap = setting.container_mib or setting.cap_mib
+    g = _guess(model, cap, setting.quick)
     lo = largest_fitting(fits, g, shrink=1.5)
     doc = {"batch_size": lo, "probes": dict(sorted((str(k), v) for k, v in probes.items())),
            "seconds": time.perf_counter() - t0, "guess": g}
-    log(f"  true max {model} @ {setting.cap_mib} MiB: {lo} ({len(probes)} fresh-process probes, {doc['seconds']:.0f} s)")
+    log(f"  true max {model} @ {_cap_text(setting)}: {lo} ({len(probes)} fresh-process probes, {doc['seconds']:.0f} s)")
     if use_cache:
         cache = load_cache(TRUTH_CACHE)
         cache[key] = doc
@@ -355,18 +468,69 @@ def true_max(model: str, setting: Setting, *, use_cache: bool = True, log=print)
     return {**doc, "cached": False}
 
 
+def _cap_text(setting: Setting) -> str:
+    return f"{setting.container_mib} MiB cgroup" if setting.container_mib else f"{setting.cap_mib} MiB"
+
+
+def _journal_runs(path: Path, batchpilot: bool) -> tuple[list[list[Any]], float | None]:
+    """A killed child's trials from its journal, the one it died in last as ``"killed"``; and when its search began."""
+    calls: list[tuple[int, str]] = []
+    began, started = None, None
+    for line in path.read_text().splitlines():
+        try:
+            b, kind, t = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if kind == "begin":
+            began = t
+        elif kind == "start":
+            started = b
+        else:
+            calls.append((b, kind))
+            started = None
+    if started is not None:
+        calls.append((started, "killed"))
+    if not batchpilot:  # Lightning's and Accelerate's calls are trials already
+        return [[b, kind] for b, kind in calls], began
+    return [[b, _trial_kind(kinds)] for b, kinds in merge_calls(calls)], began
+
+
+def _trial_kind(kinds: set[str]) -> str:
+    return next((k for k in ("error", "killed", "oom", "emulated_oom") if k in kinds), "ok")
+
+
 def measure(method: str, model: str, setting: Setting, truth: int, *, target: float = 1.0,
             start_factor: float = 4.0, timeout: float = 900) -> dict[str, Any]:
     spec = {"kind": "measure", "method": method, "model": model, "setting": asdict(setting),
             "target": target, "start": max(2, int(start_factor * truth))}
-    r = _fork("_measure", spec, timeout=timeout)
-    if r.ok:
-        row = r.data
-    else:  # an error outside the method, or a process killed outside Python's reach: still a row
-        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
-        row = {"found": None, "trials": None, "ooms": None, "seconds": None, "outcome": f"failed: {last[:100]}",
-               "error": r.stderr}
+    journal = None
+    if setting.container_mib:
+        fd, name = tempfile.mkstemp(prefix="bp-peers-", suffix=".jsonl")
+        os.close(fd)
+        journal = Path(name)
+        spec["journal"] = name
+    try:
+        r, cg = _fork_capped("_measure", spec, setting, timeout=timeout)
+        ended = time.time()
+        killed = cg is not None and not r.ok and r.returncode == -9
+        if r.ok:
+            row = r.data
+        elif killed:  # the kernel's answer: no result, only the journal
+            runs, began = _journal_runs(journal, parse_method(method)[0] == "batchpilot")
+            last = runs[-1][0] if runs and runs[-1][1] == "killed" else None
+            row = {"found": None, "runs": runs, "seconds": ended - began if began else None,
+                   "outcome": f"killed (SIGKILL{'' if cg['oom_kills'] else ', not by the OOM killer'})"
+                              + (f" at b={last}" if last is not None else "")}
+        else:  # an error outside the method, or a process killed outside Python's reach: still a row
+            last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+            row = {"found": None, "trials": None, "ooms": None, "seconds": None,
+                   "outcome": f"failed: {last[:100]}", "error": r.stderr}
+    finally:
+        if journal is not None:
+            journal.unlink(missing_ok=True)
     row.update(method=method, model=model, true_max=truth)
+    if cg is not None:
+        row.update(killed=killed, cgroup=cg)
     runs = row.get("runs")
     if runs is not None:
         row["trials"] = len(runs)
@@ -385,28 +549,59 @@ def measure(method: str, model: str, setting: Setting, truth: int, *, target: fl
 def _fmt(v: Any, digits: int = 2) -> Any:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     return round(v, digits) if isinstance(v, float) else v
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], *, container: bool = False) -> str:
     from batchpilot.app.report import format_table
 
+    if container:
+        return format_table(CONTAINER_COLUMNS, [
+            (r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")), _fmt(r.get("trials")),
+             _fmt(r.get("ooms")), _fmt(r.get("killed")), _fmt(r.get("seconds"), 1), _fmt(r.get("vs_peer")),
+             r.get("outcome", ""))
+            for r in rows
+        ])
     return format_table(COLUMNS, [
         (r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")), _fmt(r.get("trials")),
-         _fmt(r.get("ooms")), _fmt(r.get("emulated")), _fmt(r.get("seconds"), 1), _fmt(r.get("relative")), r.get("outcome", ""))
+         _fmt(r.get("ooms")), _fmt(r.get("emulated")), _fmt(r.get("seconds"), 1), _fmt(r.get("relative")),
+         _fmt(r.get("vs_peer")), r.get("outcome", ""))
         for r in rows
     ])
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's seconds ÷ batchpilot-predict's (``relative``) and ÷ Lightning power's (``vs_peer``), same model."""
+    for key, ref_method in (("relative", REFERENCE), ("vs_peer", PEER_REFERENCE)):
+        ref = next((r for r in rows if r["method"] == ref_method and r.get("seconds")), None)
+        for r in rows:
+            r[key] = r["seconds"] / ref["seconds"] if ref and r.get("seconds") is not None else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The comparison; ``None`` when container mode cannot make a cgroup here (the reason is printed)."""
+    container = args.container
+    if container:
+        reason = cgroup_unavailable_reason()
+        if reason is not None:
+            print(f"peers --container skipped: no memory cgroup can be created here: {reason}", flush=True)
+            return None
     models = args.models or (["mlp"] if args.quick else list(BENCH_MODELS))
-    methods = args.methods or list(QUICK_METHODS if args.quick else METHODS)
-    cap = args.cap_mib if args.cap_mib is not None else (16 if args.quick else 64)
-    setting = Setting(cap_mib=cap, quick=args.quick, malloc=args.malloc, conv_backends=args.conv_backends)
+    default = CONTAINER_DEFAULT if container else (QUICK_METHODS if args.quick else METHODS)
+    methods = args.methods or list(default)
+    if container:
+        limit = args.container_mib if args.container_mib is not None else (256 if args.quick else 1536)
+        setting = Setting(cap_mib=0, quick=args.quick, malloc=args.malloc, conv_backends=args.conv_backends,
+                          container_mib=limit)
+    else:
+        cap = args.cap_mib if args.cap_mib is not None else (16 if args.quick else 64)
+        setting = Setting(cap_mib=cap, quick=args.quick, malloc=args.malloc, conv_backends=args.conv_backends)
     t0 = time.perf_counter()
     truth, rows = {}, []
     for model in models:
-        print(f"[{model}] true max under {cap} MiB ...", flush=True)
+        print(f"[{model}] true max under {_cap_text(setting)} ...", flush=True)
         truth[model] = true_max(model, setting, use_cache=not args.no_cache)
         tm = truth[model]["batch_size"]
         model_rows = []
@@ -414,9 +609,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[{model}] {method} ...", flush=True)
             row = measure(method, model, setting, tm, target=args.target, start_factor=args.accelerate_start)
             model_rows.append(row)
-        ref = next((r for r in model_rows if r["method"] == REFERENCE and r.get("seconds")), None)
-        for r in model_rows:
-            r["relative"] = r["seconds"] / ref["seconds"] if ref and r.get("seconds") is not None else None
+        _ratios(model_rows)
         rows += model_rows
     return {
         "benchmark": "peers",
@@ -434,11 +627,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cap-mib", type=int, default=None, help="address-space headroom per process, MiB (default 64; --quick 16)")
+    p.add_argument("--container", action="store_true",
+                   help="run every process in a fresh memory cgroup instead of under RLIMIT_AS (a container's "
+                        f"limit: past it the kernel kills); default methods {','.join(CONTAINER_DEFAULT)}")
+    p.add_argument("--container-mib", type=int, default=None,
+                   help="--container: the cgroup memory limit per process, MiB (default 1536; --quick 256)")
     p.add_argument("--models", type=lambda s: s.split(","), default=None,
                    help=f"comma-separated, from {','.join(BENCH_MODELS)} (default all; --quick: mlp)")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=None, help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=None,
+                   help=f"comma-separated, from {','.join(METHODS)}; --container: from {','.join(CONTAINER_METHODS)}")
     p.add_argument("--quick", action="store_true", help="smaller models, 16 MiB cap, one model (mlp): a smoke test")
-    p.add_argument("--target", type=float, default=1.0, help="batchpilot's target fraction of the capacity (default 1.0)")
+    p.add_argument("--target", type=float, default=1.0,
+                   help="batchpilot's target fraction of the capacity where the method name gives none (default 1.0)")
     p.add_argument("--accelerate-start", type=float, default=4.0, help="accelerate's starting batch, x true max (default 4)")
     p.add_argument("--malloc", choices=("fixed", "dynamic"), default="fixed",
                    help="glibc mmap threshold: fixed at 128 KiB (default) or glibc's history-dependent default")
@@ -448,12 +648,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cache", action="store_true", help="recompute the true max (and do not store it)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    allowed = CONTAINER_METHODS if args.container else METHODS
     for m in args.methods or ():
-        if m not in METHODS:
-            p.error(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if m not in allowed:
+            p.error(f"unknown method {m!r}{' in --container mode' if args.container else ''}; "
+                    f"choose from {', '.join(allowed)}")
     for m in args.models or ():
         if m not in BENCH_MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(BENCH_MODELS)}")
+    if args.container and args.cap_mib is not None:
+        p.error("--cap-mib is the address-space cap; with --container the limit is --container-mib")
+    if args.container_mib is not None and not args.container:
+        p.error("--container-mib needs --container")
     return args
 
 
@@ -464,11 +670,22 @@ def main(argv: list[str] | None = None) -> int:
         emit(_probe(spec) if spec["kind"] == "probe" else _measure(spec))
         return 0
     result = run(args)
+    if result is None:
+        if args.json is not None:
+            from batchpilot.app.report import write_json
+
+            write_json({"benchmark": "peers", "container": True, "skipped": cgroup_unavailable_reason()}, args.json)
+        return 0
     print()
-    print(f"peers: cap {result['cap_mib']} MiB of address space per process (RLIMIT_AS), "
-          f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, torch {result['machine']['torch']}, {result['date']}")
+    if result["container_mib"]:
+        print(f"peers --container: each process in a fresh {result['container_mib']} MiB memory cgroup (no RLIMIT_AS; "
+              f"past the limit the kernel kills), malloc {result['malloc']}, oneDNN/NNPACK "
+              f"{'on' if result['conv_backends'] else 'off'}, torch {result['machine']['torch']}, {result['date']}")
+    else:
+        print(f"peers: cap {result['cap_mib']} MiB of address space per process (RLIMIT_AS), "
+              f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, torch {result['machine']['torch']}, {result['date']}")
     print("true max: " + ", ".join(f"{m} {t['batch_size']}" for m, t in result["truth"].items()))
-    print(table(result["rows"]))
+    print(table(result["rows"], container=bool(result["container_mib"])))
     print(f"total {result['seconds']:.0f} s")
     if args.json is not None:
         from batchpilot.app.report import write_json

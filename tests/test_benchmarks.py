@@ -1,8 +1,9 @@
 """The benchmark scripts run, on CPU, at small sizes, and print the tables they promise.
 
 ``gpu_validate.py --device cpu --small`` and a one- or two-method ``peers.py --quick`` always
-run (20-40 s each on a quiet 2-core machine; more when it is shared). The full quick comparison
-of every peer takes a few minutes and runs only with ``BATCHPILOT_SLOW=1``.
+run (20-40 s each on a quiet 2-core machine; more when it is shared); so does ``peers.py --quick
+--container`` where a memory cgroup can be made (and its one-line skip where none can). The full
+quick comparison of every peer takes a few minutes and runs only with ``BATCHPILOT_SLOW=1``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 from _harness import CallLog, SampleDataset, Workload, is_allocator_oom, largest_fitting  # noqa: E402
+from cgroup import cgroup_unavailable_reason  # noqa: E402
 
 SLOW = os.environ.get("BATCHPILOT_SLOW") == "1"
+CGROUP_REASON = cgroup_unavailable_reason()
 slow = pytest.mark.skipif(not SLOW, reason="runs every peer in fresh processes (minutes); set BATCHPILOT_SLOW=1")
 needs_peers = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None or importlib.util.find_spec("accelerate") is None,
@@ -60,6 +63,51 @@ def test_call_log_merges_calls_into_trials():
     with pytest.raises(TypeError):
         log("x")
     assert log.calls == [(4, "ok"), (8, "oom"), ("x", "error")]
+
+
+def test_call_log_journals_each_call_before_and_after():
+    events = []
+    log = CallLog(lambda b: None if b < 8 else torch.empty(-1), on_event=lambda b, kind: events.append((b, kind)))
+    log(4)
+    with pytest.raises(RuntimeError):
+        log(8)
+    assert events == [(4, "start"), (4, "ok"), (8, "start"), (8, "error")]
+
+
+@pytest.mark.parametrize("name,parts", [
+    ("batchpilot-predict", ("batchpilot", "predict", None, False)),
+    ("batchpilot-predict@0.8", ("batchpilot", "predict", 0.8, False)),
+    ("batchpilot-predict (no capacity)", ("batchpilot", "predict", None, True)),
+    ("batchpilot-predict@0.9 (no capacity)", ("batchpilot", "predict", 0.9, True)),
+    ("lightning-binsearch", ("lightning", "binsearch", None, False)),
+    ("accelerate", ("accelerate", "", None, False)),
+])
+def test_peers_method_names(name, parts):
+    import peers
+
+    assert peers.parse_method(name) == parts
+    assert name in peers.METHODS + peers.CONTAINER_METHODS
+
+
+@pytest.mark.parametrize("name", ["batchpilot", "batchpilot-predict(no capacity)", "accelerate@0.9", "timm-decay"])
+def test_peers_rejects_unknown_method_names(name):
+    import peers
+
+    with pytest.raises(ValueError, match="unknown method"):
+        peers.parse_method(name)
+
+
+def test_a_killed_childs_trials_come_back_from_its_journal(tmp_path):
+    import peers
+
+    journal = tmp_path / "j.jsonl"
+    lines = [[None, "begin", 100.0], [1, "start", 100.1], [1, "ok", 100.2], [1, "start", 100.3], [1, "ok", 100.4],
+             [900, "start", 100.5], [900, "ok", 100.6], [900, "start", 100.7]]
+    journal.write_text("".join(json.dumps(x) + "\n" for x in lines) + '[901, "st')  # the kill cut the last line
+    # batchpilot's calls are steps, merged into trials; the one it died in is "killed"
+    assert peers._journal_runs(journal, batchpilot=True) == ([[1, "ok"], [900, "killed"]], 100.0)
+    # a peer's calls are its trials already
+    assert peers._journal_runs(journal, batchpilot=False) == ([[1, "ok"], [1, "ok"], [900, "ok"], [900, "killed"]], 100.0)
 
 
 def test_allocator_oom_is_told_from_the_emulated_one():
@@ -134,7 +182,7 @@ def test_peers_quick_batchpilot_and_accelerate(tmp_path):
     out = tmp_path / "peers.json"
     proc = run_script("peers.py", "--quick", "--cap-mib", "8", "--no-cache", "--methods", ",".join(methods),
                       "--json", str(out))
-    assert "found/true" in proc.stdout and "x predict" in proc.stdout
+    assert "found/true" in proc.stdout and "x predict" in proc.stdout and "÷ lightning-power" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["truth"]["mlp"]["batch_size"] > 0
     rows = {r["method"]: r for r in doc["rows"]}
@@ -155,10 +203,49 @@ def test_peers_quick_every_method(tmp_path):
     run_script("peers.py", "--quick", "--no-cache", "--json", str(out), timeout=1800)
     doc = json.loads(out.read_text())
     methods = [r["method"] for r in doc["rows"]]
-    assert methods == ["batchpilot-predict", "batchpilot-power", "batchpilot-binsearch", "lightning-power",
-                       "lightning-binsearch", "accelerate"]
+    assert methods == ["batchpilot-predict", "batchpilot-power", "batchpilot-binsearch",
+                       "batchpilot-predict (no capacity)", "lightning-power", "lightning-binsearch", "accelerate"]
     for r in doc["rows"]:
         assert r["found"] is not None and r["trials"], r
+        assert r["vs_peer"] is not None, r
+
+
+@pytest.mark.skipif(CGROUP_REASON is not None, reason=f"no memory cgroup here: {CGROUP_REASON}")
+@pytest.mark.timeout(900)
+def test_peers_container_quick(tmp_path):
+    """Each process in a fresh cgroup: the truth is bisected on kills, and a method the kernel kills is a row."""
+    have_accelerate = importlib.util.find_spec("accelerate") is not None
+    methods = ["batchpilot-predict@0.9 (no capacity)"] + (["accelerate"] if have_accelerate else [])
+    out = tmp_path / "peers.json"
+    proc = run_script("peers.py", "--quick", "--container", "--container-mib", "48", "--no-cache",
+                      "--methods", ",".join(methods), "--json", str(out))
+    for col in ("killed", "÷ lightning-power", "found/true"):
+        assert col in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["container_mib"] == 48 and doc["cap_mib"] == 0
+    truth = doc["truth"]["mlp"]
+    assert truth["batch_size"] > 0 and False in truth["probes"].values()  # some probe was killed
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == methods
+    for r in rows.values():
+        assert r["cgroup"]["limit_bytes"] == 48 * 2**20
+        assert r["killed"] == (r["found"] is None), r
+        assert r["killed"] == (r["cgroup"]["oom_kills"] > 0), r
+        assert r["trials"] >= 1 and r["seconds"] > 0, r
+        if r["killed"]:
+            assert r["outcome"].startswith("killed (SIGKILL) at b="), r
+            assert r["runs"][-1][1] == "killed"
+    if have_accelerate:  # it starts at 4x the true max: the kernel kills it at its first size
+        assert rows["accelerate"]["killed"] and rows["accelerate"]["trials"] == 1
+
+
+@pytest.mark.skipif(CGROUP_REASON is None, reason="a memory cgroup can be made here: the mode runs instead")
+def test_peers_container_says_why_it_cannot_run(tmp_path):
+    out = tmp_path / "peers.json"
+    proc = run_script("peers.py", "--quick", "--container", "--json", str(out), timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"peers --container skipped: no memory cgroup can be created here: {CGROUP_REASON}")
+    assert json.loads(out.read_text())["skipped"] == CGROUP_REASON
 
 
 def test_run_all_lists_the_scripts_in_order():
