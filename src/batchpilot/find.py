@@ -387,6 +387,10 @@ def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:
         return choice == "disk"
     if not gauge.host:
         return False  # an accelerator's snapshot is host memory; an emulated CPU's is untracked
+    if gauge.limits.binding == "rlimit_as":
+        # a file mapped back in costs address space too, and right after a trial at the boundary
+        # there may be none: under RLIMIT_AS the copies stay where they are
+        return False
     # the share of what the job may still grow into, not of the whole process
     return StateSnapshot.objects_nbytes(targets) >= _SPILL_SHARE * max(1, gauge.capacity() - gauge.current())
 
@@ -542,12 +546,18 @@ class _TrialRunner:
 
 
 def _oom_bound(peak: int, outcome: Any) -> int | None:
-    """What an OOM proves the step needed: the peak reached before it failed plus the failed request."""
+    """What an OOM proves the step needed, in the gauge's figure; ``None`` when its message is silent.
+
+    The allocator's own figures where it states them (:attr:`~batchpilot.oom.OOMReport.min_peak_bytes`:
+    the process's device memory plus the request on CUDA, the live bytes plus the request under
+    emulation). Not on a real CPU: its allocator states only the request, and it fails on mapped
+    address space (``RLIMIT_AS``, overcommit), which the resident figure does not follow closely
+    enough for a bound; there an OOM only brackets the search.
+    """
     report = getattr(outcome, "report", None)
-    requested = getattr(report, "requested_bytes", None) if report is not None else None
-    if requested is None:
+    if report is None or report.backend == "cpu" or report.min_peak_bytes is None:
         return None
-    return int(peak) + int(requested)
+    return int(report.min_peak_bytes)
 
 
 def _log_trial(t: Trial, index: int, space: SearchSpace) -> None:

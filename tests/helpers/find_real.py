@@ -1,11 +1,12 @@
-"""The finder told nothing about the memory, under a real RLIMIT_AS cap (run in a fresh process).
+"""The finder told nothing about the memory, under a real limit (run in a fresh process).
 
-    python find_real.py MODEL HEADROOM_MIB
+    python find_real.py MODEL rlimit HEADROOM_MIB TARGET   # RLIMIT_AS at what is mapped + HEADROOM_MIB
+    python find_real.py MODEL none 0 TARGET                # whatever limits it (a cgroup it was started in)
 
-Builds a reference model with a warmed-up Adam, caps the address space at what is mapped plus
-HEADROOM_MIB, runs ``find_batch_size(step, target=1.0, restore=(model, opt))`` with no
-``capacity``, then checks the answer in the same process: 2 steps at it run, 2 steps at 6% more
-run out of memory. Prints one JSON line.
+Builds a reference model with a warmed-up Adam, caps the address space if asked, runs
+``find_batch_size(step, target=TARGET, restore=(model, opt))`` with no ``capacity``, then checks
+the answer in the same process: whether 2 steps at it run, and whether 2 steps at 8% more run
+out of memory (only under RLIMIT_AS, where that raises). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from rlimit import cap_address_space  # noqa: E402
 
 from batchpilot import find_batch_size  # noqa: E402
 from batchpilot.models import MLP, SmallCNN, TransformerBlockModel  # noqa: E402
-from batchpilot.oom import attempt  # noqa: E402
+from batchpilot.oom import attempt, free_memory  # noqa: E402
 
 torch.set_num_threads(1)
 # convolution back ends that allocate outside PyTorch's allocator segfault under RLIMIT_AS
 torch.backends.mkldnn.enabled = False
 torch.backends.nnpack.set_flags(False)
 
-name, headroom = sys.argv[1], int(sys.argv[2]) * 2**20
+name, limit, headroom, target = sys.argv[1], sys.argv[2], int(sys.argv[3]) * 2**20, float(sys.argv[4])
 torch.manual_seed(0)
 model = {"cnn": lambda: SmallCNN(in_channels=3, widths=(8, 16, 32)),
          "mlp": lambda: MLP(in_features=1024, width=128, depth=8),
@@ -54,8 +55,9 @@ def step(b: int) -> None:
 
 
 step(2)  # kernels loaded, Adam's state created
-cap_address_space(headroom)
-plan = find_batch_size(step, target=1.0, restore=(model, opt))
+if limit == "rlimit":
+    cap_address_space(headroom)
+plan = find_batch_size(step, target=target, restore=(model, opt))
 
 
 def two_steps(b: int) -> None:
@@ -63,11 +65,13 @@ def two_steps(b: int) -> None:
     step(b)
 
 
+free_memory("cpu")
 fits = not attempt(two_steps, plan.batch_size).oom
-above = attempt(two_steps, math.ceil(plan.batch_size * 1.06)).oom
+above = attempt(two_steps, math.ceil(plan.batch_size * 1.08)).oom if limit == "rlimit" else None
 print(json.dumps({
     "batch_size": plan.batch_size, "memory": plan.memory, "binding": plan.binding_limit,
     "trials": [[t.batch_size, t.outcome] for t in plan.trials], "ooms": plan.num_ooms,
-    "stop_reason": plan.stop_reason, "fits": fits, "six_percent_more_fails": above,
-    "capacity": plan.capacity,
+    "stop_reason": plan.stop_reason, "fits": fits, "more_fails": above,
+    "capacity": plan.capacity, "peaks": [t.peak_bytes for t in plan.trials if t.outcome != "refused"],
+    "limit": plan.limit_bytes,
 }))
