@@ -17,7 +17,7 @@ from .find import BatchPlan, BatchSizeError, NothingFitsError, find_batch_size, 
 from .memory import emulate_capacity, get_probe, parse_bytes, track_peak, StorageTracker
 from .oom import attempt, free_memory, is_oom
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "estimate_peak_memory": "plan",
