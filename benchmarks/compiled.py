@@ -1,7 +1,10 @@
 """torch.compile on CPU: the compiled program's memory and batch against the eager one's.
 
-One fresh process per model and program (eager, then ``torch.compile`` with ``--backend``,
-inductor by default), each doing the same three things:
+One fresh process per model and program (eager, then ``torch.compile`` with each of
+``--backends``: inductor, and ``aot_eager_decomp_partition``, which runs AOT autograd's
+min-cut-partitioned forward and backward graphs (inductor's decompositions and partitioner)
+op by op without fusing them: what a planner following the compiled graph would count), each
+doing the same three things:
 
 1. warm-up: one training step at batch 2 with the batch dimension marked dynamic, as the
    finder's warm-up does (the compilation happens here: seconds and graphs are reported);
@@ -15,11 +18,13 @@ inductor by default), each doing the same three things:
    ``rlimit_as`` limit) at target 1.0 (the largest batch that fits: the runtime itself takes a
    few hundred MiB of the resident set), with the graphs dynamo compiled during the search.
 
-Memory figures are deterministic for a given torch build; times are not (shared machine).
+oneDNN and NNPACK are off in every child, as in ``peers.py``: they allocate outside PyTorch and
+crash under the cap. Times are noisy on a shared machine, and inductor's guards (hence the
+graphs counted) depend on what its on-disk cache already holds.
 
-    python benchmarks/compiled.py                       # the reference models, inductor
+    python benchmarks/compiled.py                       # the reference models
     python benchmarks/compiled.py --quick               # smaller models
-    python benchmarks/compiled.py --backend aot_eager --models mlp
+    python benchmarks/compiled.py --backends aot_eager --models mlp
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from batchpilot.plan import estimate_peak_memory
 
     torch.set_num_threads(1)
+    # oneDNN and NNPACK allocate outside PyTorch's allocator and crash under RLIMIT_AS (SIGSEGV:
+    # benchmarks/README.md, peers --conv-backends; seen here too with inductor's oneDNN convolutions)
+    torch.backends.mkldnn.enabled = False
+    torch.backends.nnpack.set_flags(False)
     torch.manual_seed(0)
     cfg = spec["model_spec"]
     net = build_model(cfg["model"], **cfg["kwargs"])
@@ -139,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--models", type=lambda s: s.split(","), default=["mlp", "cnn", "transformer"])
-    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--backends", type=lambda s: s.split(","), default=["inductor", "aot_eager_decomp_partition"],
+                   help="torch.compile backends to compare with eager (default inductor,aot_eager_decomp_partition)")
     p.add_argument("--batch", type=int, default=None, help="batch of the peak column (default 256; quick 64)")
     p.add_argument("--cap-mib", type=int, default=None, help="address-space headroom for the finder (default 256; quick 64)")
     p.add_argument("--max-batch-size", type=int, default=1 << 14)
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     results, rows = [], []
     for name in args.models:
         eager = None
-        for program in ("eager", args.backend):
+        for program in ("eager", *args.backends):
             spec = {"model": name, "model_spec": table[name], "backend": program, "batch": batch, "cap_mib": cap,
                     "max_batch_size": args.max_batch_size}
             r = run_child(spec, args.timeout)
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  ".join(str(v) for v in rows[-1]), flush=True)
             eager = r if program == "eager" else eager
     seconds = time.perf_counter() - started
-    head = (f"compiled vs eager on CPU, backend {args.backend}, AdamW, peak at batch {batch}, finder under "
+    head = (f"compiled vs eager on CPU, AdamW, peak at batch {batch}, finder under "
             f"RLIMIT_AS +{cap} MiB, torch {torch.__version__}, {datetime.date.today().isoformat()}")
     print()
     print(head)
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         write_json({"benchmark": "compiled", "date": datetime.date.today().isoformat(),
                     "command": "python benchmarks/compiled.py " + " ".join(sys.argv[1:]), "machine": machine(),
-                    "backend": args.backend, "batch": batch, "cap_mib": cap, "results": results,
+                    "backends": args.backends, "batch": batch, "cap_mib": cap, "results": results,
                     "rows": [dict(zip(COLUMNS, r)) for r in rows], "seconds": seconds}, args.json)
         print(f"wrote {args.json}")
     return 0 if all("error" not in r for r in results) else 1

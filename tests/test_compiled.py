@@ -297,3 +297,28 @@ def test_engine_auto_start_on_a_compiled_model_compiles_once():
     assert engine.plan.compiled_trials and engine.plan.compilations == 1
     assert backend.compiles == 1 == r.compilations  # finder warm-up, trials and the step: one graph
     assert r.micro_batch_size == engine.plan.batch_size
+
+
+def _ran_compiled(fn) -> bool:
+    """Whether ``fn`` entered a compiled region (the profiler's record of a dynamo graph running)."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return any(e.name.startswith("Torch-Compiled Region") for e in prof.events())
+
+
+@pytest.mark.slow
+def test_inductor_search_engine_and_emulation_keep_one_compiled_program():
+    """The one test with the default backend (inductor compiles C++ with gcc: slow on 2 cores)."""
+    model = torch.compile(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data(48)
+    plan = bp.find_batch_size_for(model, (x, y), optimizer=opt, loss_fn=nn.CrossEntropyLoss(), max_batch_size=48)
+    assert plan.compiled_trials and plan.compilations == 1 and min(t.batch_size for t in plan.trials) == 2
+    before = compilations()
+    engine = bp.Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=48, start=20)  # 20 + 20 + 8
+    with bp.emulate_capacity("1MiB", track=(model, opt)):
+        assert not _ran_compiled(lambda: engine.step((x, y)))  # eager under the tracker
+    assert _ran_compiled(lambda: engine.step((x, y)))  # compiled again, on the search's graph
+    assert compilations() == before
+    model(torch.randn(2, 3, 16))  # a new rank: dynamo must still compile this code
+    assert compilations() == before + 1

@@ -42,12 +42,12 @@ from .search import (
     BatchSizeError,
     NothingFitsError,
     SearchPolicy,
+    SearchResult,
     SearchSpace,
     Trial,
     fit_line,
     make_policy,
     predict_peak,
-    SearchResult,
     run_search,
 )
 from .snapshot import StateSnapshot
