@@ -173,6 +173,36 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         assert rec["cost_s"] is not None
 
 
+def test_allocator_peak_reads_the_cpu_allocator():
+    from _harness import allocator_peak
+
+    def two_buffers():
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(3 << 20, dtype=torch.uint8)
+        del a, b
+        torch.empty(2 << 20, dtype=torch.uint8)
+
+    assert allocator_peak(two_buffers) == 4 << 20  # both alive at once; the third came after they left
+
+
+@pytest.mark.timeout(900)
+def test_compiled_benchmark_runs_on_the_quick_mlp(tmp_path):
+    out = tmp_path / "compiled.json"
+    proc = run_script("compiled.py", "--quick", "--models", "mlp", "--backends", "aot_eager", "--json", str(out))
+    assert "found / eager" in proc.stdout
+    doc = json.loads(out.read_text())
+    eager, compiled = doc["results"]
+    assert (eager["program"], compiled["program"]) == ("eager", "aot_eager")
+    assert eager["warmup_graphs"] == 0 and compiled["warmup_graphs"] == 1
+    assert compiled["peak_graphs"] == 0 and compiled["search_graphs"] == 0  # one dynamic graph for every size
+    assert compiled["compiled_trials"] and not eager["compiled_trials"]
+    assert min(compiled["sizes"]) == 2 and min(eager["sizes"]) == 1
+    # the AOT program runs the eager operators: the allocator's peak and the plan agree with eager's
+    assert compiled["peak_bytes"] == pytest.approx(eager["peak_bytes"], rel=0.01)
+    assert compiled["plan_bytes"] == eager["plan_bytes"]
+    assert compiled["found"] == pytest.approx(eager["found"], rel=0.1)
+
+
 def test_gpu_validate_compiled_check_on_cpu():
     """The torch.compile rows (run by default on CUDA) in-process, with aot_eager on the small MLP."""
     import gpu_validate
