@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", type=lambda s: s.split(","), default=["inductor", "aot_eager_decomp_partition"],
                    help="torch.compile backends to compare with eager (default inductor,aot_eager_decomp_partition)")
     p.add_argument("--batch", type=int, default=None, help="batch of the peak column (default 256; quick 64)")
-    p.add_argument("--cap-mib", type=int, default=None, help="address-space headroom for the finder (default 256; quick 64)")
+    p.add_argument("--cap-mib", type=int, default=None,
+                   help="address-space headroom for the finder, MiB (default 256; quick 64)")
     p.add_argument("--max-batch-size", type=int, default=1 << 14)
     p.add_argument("--quick", action="store_true", help="the smaller models of benchmarks/_harness.py")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per child (compiling is slow on CPU)")
