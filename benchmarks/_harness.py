@@ -37,6 +37,7 @@ __all__ = [
     "vm_bytes",
     "cap_address_space",
     "is_allocator_oom",
+    "allocator_peak",
     "CallLog",
     "merge_calls",
     "emit",
@@ -303,6 +304,33 @@ def cap_address_space(headroom_bytes: int) -> int:
     cap = vm_bytes() + headroom_bytes
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     return cap
+
+
+def allocator_peak(fn: Callable[[], Any]) -> int:
+    """Peak bytes the CPU allocator handed out while ``fn`` ran, above what was allocated before.
+
+    Read from ``torch.profiler``'s allocation records (every ``c10`` CPU allocation and free,
+    in order), so it sees what no dispatch mode can: the buffers of an inductor-compiled
+    kernel and the scratch memory inside eager kernels (im2col). Not the whole process: the
+    Python heap and anything outside PyTorch's allocator are not in it.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))  # frees are negative
+        stack.extend(event.children)
+    live = peak = 0
+    for _, size in sorted(sizes, key=lambda s: s[0]):
+        live += size
+        peak = max(peak, live)
+    return peak
 
 
 def is_allocator_oom(exc: BaseException) -> bool:

@@ -11,7 +11,11 @@ transformer, all written here) it checks:
 3. throughput: samples/s at the batch the finder found against batch 32;
 4. OOM recovery: the seconds one OOM costs in the ``Engine`` (the first step of an engine whose
    first micro-batch runs out of memory, minus the first step of a fresh engine started at the
-   micro-batch the first one settled on).
+   micro-batch the first one settled on);
+5. torch.compile (``--compile``, inductor by default on CUDA, off on CPU): the compiled step's
+   peak against the eager one's and against the planner (which plans the eager program), and
+   ``find_batch_size_for`` on the compiled model under the same capacity, with the graphs
+   dynamo compiled during the search (one at most: the warm-up's).
 
 On CUDA (default when available) the models are full size with bf16 autocast and the
 whole run takes a few minutes on one H200. ``--device cpu --small`` runs the same
@@ -42,10 +46,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import largest_fitting, machine  # noqa: E402
+from _harness import allocator_peak, largest_fitting, machine  # noqa: E402
 
+from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.find import find_batch_size  # noqa: E402
+from batchpilot.find import find_batch_size, find_batch_size_for  # noqa: E402
 from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
 from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track_peak  # noqa: E402
 from batchpilot.models import MLP  # noqa: E402
@@ -401,6 +406,76 @@ def check_oom_recovery(r: Runner, capacity: int, truth_like: int, repeats: int, 
                  f"{cost / clean_step:.2f} steps"))
 
 
+def check_compiled(r: Runner, backend: str, capacity: int, target: float, rows: list, doc: dict) -> None:
+    """The compiled program against the eager one: peak, the eager plan's error on it, the found batch.
+
+    Peaks: ``max_memory_allocated`` / ``_reserved`` on CUDA; on CPU the allocator's own figure
+    (``torch.profiler``) for both programs, since a storage tracker would run the compiled
+    model eagerly. The finder's trials run the compiled step where no tracker counts them (CUDA);
+    under the CPU's emulated capacity they run eagerly (``compiled_trials`` false).
+    """
+    b = r.case.plan_sizes[1]
+    r.release()
+    compiled = torch.compile(r.model, backend=backend)
+    batch = mark_batch_dynamic(r.case.make_batch(b, r.device))
+
+    def steps(model: nn.Module) -> None:
+        for _ in range(2):
+            default_step(model, r.optimizer, batch, loss_fn=r.engine_loss, amp=r.amp)
+        r.sync()
+
+    counter = CompileCounter()
+    t0 = time.perf_counter()
+    default_step(compiled, r.optimizer, batch, loss_fn=r.engine_loss, amp=r.amp)  # compiles
+    r.sync()
+    compile_s, graphs = time.perf_counter() - t0, counter.count
+    peaks = {}
+    for name, model in (("eager", r.model), ("compiled", compiled)):
+        r.release()
+        if r.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(r.device)
+            steps(model)
+            peaks[name] = (torch.cuda.max_memory_allocated(r.device), torch.cuda.max_memory_reserved(r.device))
+        else:  # what was allocated before (weights, the batch; no optimizer state yet) plus the steps' peak
+            state = sum(t.untyped_storage().nbytes() for t in (*r.model.parameters(), *r.model.buffers(), *batch))
+            peak = state + allocator_peak(lambda m=model: steps(m))
+            peaks[name] = (peak, peak)
+    del batch
+    r.release()
+    plan_device = "cuda" if r.device.type == "cuda" else "cpu"
+    accounting = cuda_accounting(r.device)[0] if plan_device == "cuda" else None
+    est = estimate_peak_memory(compiled, r.case.make_batch(2, torch.device("cpu")), b,
+                               optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), loss_fn=r.engine_loss, steps=2,
+                               amp=r.amp, device=plan_device, accounting=accounting)
+    (c_alloc, c_res), (e_alloc, e_res) = peaks["compiled"], peaks["eager"]
+    pool = r.case.make_batch(64, r.device)
+    found = {}
+    for name, model in (("eager", r.model), ("compiled", compiled)):  # the same search, the same example batch
+        found[name] = find_batch_size_for(model, pool, optimizer=r.optimizer, loss_fn=r.engine_loss, amp=r.amp,
+                                          capacity=capacity, target=target)
+        r.release()
+    plan, eager_found = found["compiled"], found["eager"].batch_size
+    del pool
+    doc["compiled"] = {
+        "backend": backend, "batch_size": b, "compile_seconds": compile_s, "warmup_graphs": graphs,
+        "compiled_allocated": c_alloc, "compiled_reserved": c_res, "eager_allocated": e_alloc, "eager_reserved": e_res,
+        "plan_allocated": est.allocated_bytes, "plan_error_pct": 100 * (est.allocated_bytes - c_alloc) / c_alloc,
+        "found": plan.batch_size, "eager_found": eager_found, "trials": [t.batch_size for t in plan.trials],
+        "search_graphs": plan.compilations, "compiled_trials": plan.compiled_trials, "search_seconds": plan.seconds,
+    }
+    rows.append((r.case.name, "compiled peak", f"b={b}, {backend} ({compile_s:.0f} s, {graphs} graphs)",
+                 format_bytes(c_alloc), f"eager {format_bytes(e_alloc)}", f"{c_alloc / e_alloc:.2f}"))
+    rows.append((r.case.name, "plan vs compiled", f"b={b}", format_bytes(est.allocated_bytes), format_bytes(c_alloc),
+                 f"{doc['compiled']['plan_error_pct']:+.1f}%"))
+    rows.append((r.case.name, "compiled finder", f"cap {format_bytes(capacity)}, target {target}",
+                 f"{plan.batch_size} ({plan.num_trials} trials, {plan.compilations} graphs, "
+                 f"{'compiled' if plan.compiled_trials else 'eager'} trials)",
+                 f"eager {eager_found}", f"{plan.batch_size / eager_found:.2f}" if eager_found else "-"))
+    del compiled
+    torch._dynamo.reset()
+    free_memory(r.device)
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -450,6 +525,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             guarded(rows, mdoc, name, "samples/s", lambda: check_throughput(r, found, args.steps, rows, mdoc))
             guarded(rows, mdoc, name, "OOM recovery", lambda: check_oom_recovery(
                 r, capacity, mdoc["finder"]["true_max"], args.repeats, rows, mdoc))
+        if args.compile != "none":
+            guarded(rows, mdoc, name, "compiled", lambda: check_compiled(
+                r, args.compile, capacity, args.target, rows, mdoc))
         mdoc["seconds"] = time.perf_counter() - t0
         # each model's rows as soon as they exist: a run cut short still leaves them in the log
         print(format_table(COLUMNS, [row for row in rows if row[0] == name]), flush=True)
@@ -480,6 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", choices=("bf16", "fp16", "none"), default=None, help="default bf16 on CUDA, none on CPU")
     p.add_argument("--steps", type=int, default=None, help="timed steps per throughput point (default 10; small 3)")
     p.add_argument("--repeats", type=int, default=None, help="OOM-recovery repetitions (default 3; small 1)")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="torch.compile backend of the compiled checks, or none (default inductor on CUDA, none on CPU)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     cpu = torch.device(args.device).type == "cpu"
@@ -489,6 +569,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     args.capacity = args.capacity or ("4MiB" if args.small else "16GiB")
     args.amp = args.amp or ("none" if cpu else "bf16")
+    args.compile = args.compile or ("none" if cpu else "inductor")
     args.steps = args.steps or (3 if args.small else 10)
     args.repeats = args.repeats or (1 if args.small else 3)
     if not math.isfinite(args.target) or not 0 < args.target <= 1:

@@ -173,6 +173,54 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         assert rec["cost_s"] is not None
 
 
+def test_allocator_peak_reads_the_cpu_allocator():
+    from _harness import allocator_peak
+
+    def two_buffers():
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(3 << 20, dtype=torch.uint8)
+        del a, b
+        torch.empty(2 << 20, dtype=torch.uint8)
+
+    assert allocator_peak(two_buffers) == 4 << 20  # both alive at once; the third came after they left
+
+
+@pytest.mark.timeout(900)
+def test_compiled_benchmark_runs_on_the_quick_mlp(tmp_path):
+    out = tmp_path / "compiled.json"
+    proc = run_script("compiled.py", "--quick", "--models", "mlp", "--backends", "aot_eager", "--json", str(out))
+    assert "found / eager" in proc.stdout
+    doc = json.loads(out.read_text())
+    eager, compiled = doc["results"]
+    assert (eager["program"], compiled["program"]) == ("eager", "aot_eager")
+    assert eager["warmup_graphs"] == 0 and compiled["warmup_graphs"] == 1
+    assert compiled["peak_graphs"] == 0 and compiled["search_graphs"] == 0  # one dynamic graph for every size
+    assert compiled["compiled_trials"] and not eager["compiled_trials"]
+    assert min(compiled["sizes"]) == 2 and min(eager["sizes"]) == 1
+    # the AOT program runs the eager operators: the allocator's peak and the plan agree with eager's
+    assert compiled["peak_bytes"] == pytest.approx(eager["peak_bytes"], rel=0.01)
+    assert compiled["plan_bytes"] == eager["plan_bytes"]
+    assert compiled["found"] == pytest.approx(eager["found"], rel=0.1)
+
+
+def test_gpu_validate_compiled_check_on_cpu():
+    """The torch.compile rows (run by default on CUDA) in-process, with aot_eager on the small MLP."""
+    import gpu_validate
+
+    torch.set_num_threads(1)
+    runner = gpu_validate.Runner(gpu_validate.cases(True)["mlp"], torch.device("cpu"), None)
+    rows, doc = [], {}
+    gpu_validate.check_compiled(runner, "aot_eager", 4 * 2**20, 1.0, rows, doc)
+    assert [r[1] for r in rows] == ["compiled peak", "plan vs compiled", "compiled finder"]
+    c = doc["compiled"]
+    assert c["warmup_graphs"] == 1 and c["search_graphs"] == 0  # compiled once, with a dynamic batch
+    assert not c["compiled_trials"]  # an emulated CPU capacity runs the trials eagerly
+    assert c["found"] == c["eager_found"] > 0  # ... so both searches find the same batch
+    # aot_eager runs AOT autograd's graphs op by op: the allocator sees the eager program's bytes
+    assert c["compiled_allocated"] == pytest.approx(c["eager_allocated"], rel=0.01)
+    assert abs(c["plan_error_pct"]) < 1
+
+
 @pytest.mark.timeout(900)
 def test_peers_quick_batchpilot_and_accelerate(tmp_path):
     """The harness end to end: truth by fresh-process bisection, real caps, the table; Accelerate
@@ -251,7 +299,7 @@ def test_peers_container_says_why_it_cannot_run(tmp_path):
 def test_run_all_lists_the_scripts_in_order():
     proc = run_script("run_all.py", "--list", "--quick", timeout=120)
     names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]
-    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "gpu_validate")
+    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "gpu_validate", "compiled")
                if (BENCH / f"{n}.py").exists()]
     assert names[: len(present)] == present
     assert "run_all" not in names and not any(n.startswith("_") for n in names)

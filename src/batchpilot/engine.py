@@ -21,6 +21,7 @@ from torch import nn
 
 from .batching import BatchConfig, split_sizes
 from ._checks import positive_int as _positive_int
+from .compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from .coordinator import Coordinator, LocalCoordinator
 from .find import BatchPlan, find_batch_size
 from .gauge import Gauge, gauge_for
@@ -124,6 +125,8 @@ class StepResult:
             above the high-water mark, or the CUDA allocator retried.
         next_micro_batch_size: the micro-batch the next step starts with.
         grad_norm: total gradient norm before clipping, when ``grad_clip`` is set.
+        compilations: graphs dynamo compiled during the step (0 once a compiled model is warm:
+            its batch dimension is dynamic, see :mod:`batchpilot.compiled`).
     """
 
     loss_tensor: torch.Tensor
@@ -140,6 +143,7 @@ class StepResult:
     pressure: bool = False
     next_micro_batch_size: int = 0
     grad_norm: torch.Tensor | None = None
+    compilations: int = 0
 
     @property
     def loss(self) -> float:
@@ -280,6 +284,8 @@ class Engine:
         self._probe: Gauge = self._step_gauge()
         self._step_capacity: int | None = None
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        # compiled: micro-batches are marked dynamic and never end in one sample (batchpilot.compiled)
+        self._compiled = is_compiled(model)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._norm_buffers = _running_stat_buffers(model) if self.config.restore_buffers else []
@@ -319,6 +325,7 @@ class Engine:
                 smaller micro-batch would not shrink it.
         """
         t0 = time.perf_counter()
+        compiles = CompileCounter()
         split = BatchSplitter(batch, self.layout)
         n = split.size
         if n > self._per_rank:
@@ -388,6 +395,7 @@ class Engine:
             pressure=pressure,
             next_micro_batch_size=self.micro_batch_size,
             grad_norm=grad_norm,
+            compilations=compiles.count,
         )
 
     @property
@@ -603,6 +611,8 @@ class Engine:
         ddp = self._ddp and model is self.model
         n = split.size
         sizes = split_sizes(n, micro)
+        if self._compiled:
+            sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
         last = len(sizes) - 1
         scaler = self.scaler if use_scaler else None
         total = None
@@ -612,6 +622,8 @@ class Engine:
         for i, size in enumerate(sizes):
             mb = split.slice(start, size, self.device)
             start += size
+            if self._compiled:
+                mark_batch_dynamic(mb, self.layout)
             # DDP all-reduces in the backward of the last micro-batch only, unless deferred.
             quiet = ddp and (i < last or self.coordinator.defer_grad_sync)
             with model.no_sync() if quiet else contextlib.nullcontext():

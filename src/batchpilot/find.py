@@ -26,6 +26,7 @@ from ._checks import positive_int
 from .amp import amp_dtype as _amp_dtype
 from .amp import autocast
 from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
+from .compiled import CompileCounter, compiled_floor, is_compiled, mark_batch_dynamic, warm_up
 from .loss import LossFn, as_loss_fn, forward_only, parse_loss
 from .gauge import Gauge, gauge_for
 from .memory import (
@@ -41,6 +42,7 @@ from .search import (
     BatchSizeError,
     NothingFitsError,
     SearchPolicy,
+    SearchResult,
     SearchSpace,
     Trial,
     fit_line,
@@ -170,6 +172,11 @@ class BatchPlan:
             the process is killed (counted in ``trials``, outcome ``"refused"``).
         snapshot_bytes, snapshot_seconds, snapshot_on_disk: what the ``restore=`` snapshot
             held, the time it took to take and restore, and whether it was spilled to a file.
+        compiled: a ``restore=`` module is, or holds, a ``torch.compile``'d module.
+        compiled_trials: the trials ran the compiled program (real memory: a CPU's resident
+            set, a GPU's); ``False`` for a compiled model under an emulated CPU capacity, whose
+            tracker sees the eager program (:mod:`batchpilot.compiled`).
+        compilations: graphs dynamo compiled during the search, warm-up included (any model).
     """
 
     batch_size: int
@@ -193,6 +200,9 @@ class BatchPlan:
     snapshot_bytes: int = 0
     snapshot_seconds: float = 0.0
     snapshot_on_disk: bool = False
+    compiled: bool = False
+    compiled_trials: bool = False
+    compilations: int = 0
 
     @property
     def num_trials(self) -> int:
@@ -307,6 +317,14 @@ def find_batch_size(
     policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size,
                          tolerance=tol)
     started = time.perf_counter()
+    compiles = CompileCounter()
+    compiled = is_compiled(*targets)
+    # a tracker (an emulated CPU capacity) runs compiled code eagerly: batchpilot.compiled
+    run_compiled = compiled and gauge.kind != "tensors"
+    if compiled and not run_compiled:
+        logger.warning("the model is compiled, but under an emulated CPU capacity its trials run eagerly (a "
+                       "dispatch-mode tracker cannot see inside compiled kernels): this is the eager program's "
+                       "batch; leave capacity= out to measure the compiled program on real memory")
     free_memory(dev)
     spill = _spill(cfg.snapshot, gauge, targets)
     snap = StateSnapshot(targets, spill=spill)
@@ -316,9 +334,11 @@ def find_batch_size(
             if emulated:
                 stack.enter_context(emulate_capacity(cfg.capacity, dev, track=targets))
             cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
+            # a compiled trial at 1 would compile a graph of its own: start at 2, try 1 only if 2 fails
+            floor = compiled_floor(cfg.min_batch_size, cfg.max_batch_size) if run_compiled else cfg.min_batch_size
             space = SearchSpace(
                 limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
-                min_batch_size=cfg.min_batch_size, max_batch_size=cfg.max_batch_size,
+                min_batch_size=floor, max_batch_size=cfg.max_batch_size,
             )
             logger.info(
                 "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
@@ -326,7 +346,8 @@ def find_batch_size(
                 format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.host else "",
             )
             bar = _progress_bar(cfg.progress, policy.name)
-            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap)
+            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap,
+                                    breakdown=not run_compiled)
 
             def report(t: Trial) -> None:
                 _log_trial(t, len(trial_fn.done), trial_fn.space)
@@ -336,9 +357,14 @@ def find_batch_size(
 
             trial_fn.space = space
             learner = _CapacityLearner(cfg.target, estimated=gauge.host)
-            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report,
-                                revise=lambda sp, t: _trial_space(trial_fn, learner(sp, t)))
+            revise = lambda sp, t: _trial_space(trial_fn, learner(sp, t))  # noqa: E731
+            if run_compiled:
+                warm_up(step, floor, device=dev, after=snap.restore)  # compile before anything is measured
+            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report, revise=revise)
             space = result.space or space
+            if result.batch_size is None and result.stop_reason == "nothing_fits" and floor > cfg.min_batch_size:
+                result = _below_floor(result, policy, space, cfg.min_batch_size, trial_fn, report, revise)
+                space = result.space or space
     finally:
         if bar is not None:
             bar.close()
@@ -357,13 +383,26 @@ def find_batch_size(
         steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
         tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.host else None,
         snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
+        compiled=compiled, compiled_trials=run_compiled, compilations=compiles.count,
     )
     if result.stop_reason == "max_trials":
         logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
                        plan.num_trials, plan.batch_size)
-    logger.info("batch size %d (%s) after %d trials, %d OOM, %.2fs",
-                plan.batch_size, plan.stop_reason, plan.num_trials, plan.num_ooms, plan.seconds)
+    logger.info("batch size %d (%s) after %d trials, %d OOM, %.2fs%s",
+                plan.batch_size, plan.stop_reason, plan.num_trials, plan.num_ooms, plan.seconds,
+                f", {plan.compilations} graph(s) compiled" if compiled else "")
     return plan
+
+
+def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace, minimum: int,
+                 trial_fn: _TrialRunner, report: Callable[[Trial], None], revise: Callable) -> SearchResult:
+    """Nothing fitted from the compiled floor up: try ``minimum`` too (one more compilation)."""
+    low = dataclasses.replace(space, min_batch_size=minimum, max_batch_size=minimum)
+    trial_fn.space = low
+    again = run_search(policy, low, trial_fn, max_trials=1, on_trial=report, revise=revise)
+    return SearchResult(batch_size=again.batch_size, trials=[*result.trials, *again.trials],
+                        stop_reason="boundary" if again.batch_size is not None else again.stop_reason,
+                        space=again.space or low)
 
 
 #: predict's relative tolerance on real memory (see ``tolerance``)
@@ -447,8 +486,10 @@ class _TrialRunner:
     """Runs one trial: the steps under the gauge (and a tracker for the breakdown), OOM recovery, the restore."""
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
-                 steps: int, targets: list[Any], snapshot: StateSnapshot) -> None:
+                 steps: int, targets: list[Any], snapshot: StateSnapshot, breakdown: bool = True) -> None:
         self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
+        # no breakdown tracker for a compiled step: under it the step would run eagerly
+        self.breakdown = breakdown
         self.targets, self.snapshot = targets, snapshot
         self.space: SearchSpace | None = None
         self.done: list[Trial] = []
@@ -463,8 +504,8 @@ class _TrialRunner:
 
         def run() -> None:
             # on a real CPU a tracker runs alongside for the breakdown (tensor bytes vs the rest)
-            with track_peak(self.device, track=self.targets) if self.device.type == "cpu" else \
-                    contextlib.nullcontext() as m:
+            with track_peak(self.device, track=self.targets) if self.device.type == "cpu" and self.breakdown \
+                    else contextlib.nullcontext() as m:
                 holder.append(m)
                 for i in range(self.steps):
                     if i == self.steps - 1:
@@ -687,13 +728,16 @@ def find_batch_size_for(
                           layout=layout, cfg=cfg, device=dev)
         options["first_guess"] = seed.batch_size
 
+    # dim 0 dynamic from the first compilation: one graph for every trial size
+    dynamic = (lambda data: mark_batch_dynamic(data, layout)) if is_compiled(model) else (lambda data: data)
+
     def train_step(b: int) -> None:
-        step(to_device(make(b), dev))
+        step(dynamic(to_device(make(b), dev)))
 
     fwd = forward_only(loss)
 
     def eval_step(b: int) -> None:
-        data = to_device(make(b), dev)
+        data = dynamic(to_device(make(b), dev))
         with torch.inference_mode(), autocast(dev.type, dtype):
             fwd(model, data)
 

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .compiled import eager_while_tracked
 from .host import ResidentPeak, host_limits, resident_bytes
 
 __all__ = [
@@ -145,6 +146,9 @@ class StorageTracker(TorchDispatchMode):
     :meth:`paused` (or :func:`untracked` for every running tracker) switches
     the counting off for a block, e.g. for copies kept in host memory that are
     not device memory.
+
+    ``torch.compile``'d code runs eagerly while a tracker runs (the eager program is what it
+    counts) and is left compiled afterwards (:func:`batchpilot.compiled.eager_while_tracked`).
     """
 
     def __init__(self, device: torch.device | str = "cpu", capacity: int | None = None) -> None:
@@ -161,6 +165,7 @@ class StorageTracker(TorchDispatchMode):
         self._lock = threading.Lock()
         # per thread: another thread's operators are still device memory while one thread pauses
         self._pause = threading.local()
+        self._eager: list[contextlib.AbstractContextManager] = []
 
     # -- bookkeeping ------------------------------------------------------
     def _release(self, key: int, _ref: Any) -> None:
@@ -323,14 +328,25 @@ class StorageTracker(TorchDispatchMode):
             self._bump_peak()
 
     def __enter__(self) -> StorageTracker:
+        # dynamo skips frames under a dispatch mode and never compiles them again: compiled
+        # models run eagerly while tracked instead (batchpilot.compiled)
+        eager = eager_while_tracked()
+        eager.__enter__()
+        self._eager.append(eager)
         _ACTIVE.append(self)
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _ACTIVE.remove(self)
+            self._eager.pop().__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
             return super().__exit__(*exc)
         finally:
             _ACTIVE.remove(self)
+            self._eager.pop().__exit__(None, None, None)
 
 
 _ACTIVE: list[StorageTracker] = []

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .amp import amp_dtype, autocast
 from .batch import BatchLayout, BatchSplitter
+from .compiled import eager_while_tracked
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .loss import as_loss_fn, forward_only, parse_loss
 from .memory import format_bytes, parse_bytes
@@ -534,7 +535,10 @@ def _measure(setup: _FakeSetup, cfg: _Config, batch_size: int) -> MemoryEstimate
                 handles.append(p.register_post_accumulate_grad_hook(lambda q: counter.mark(q.grad, "gradients")))
         if optimizer is not None:
             handles.append(optimizer.register_step_post_hook(lambda opt, _a, _k: _mark_state(counter, opt)))
-        with torch.enable_grad() if cfg.mode == "train" else contextlib.nullcontext(), setup.fake_mode, counter:
+        # a compiled model is planned as its eager program: dynamo cannot run on fake tensors under
+        # a dispatch mode, and would otherwise stop compiling the model's code for good
+        with torch.enable_grad() if cfg.mode == "train" else contextlib.nullcontext(), eager_while_tracked(), \
+                setup.fake_mode, counter:
             for _ in range(cfg.steps):
                 cfg.step(setup.model, optimizer, batch)
     except (PlanningError, ValueError, TypeError):

@@ -124,6 +124,20 @@ def test_find_json_follows_the_schema():
     assert answer["peak_bytes"] <= doc["limit_bytes"]
 
 
+def test_find_compile_sizes_the_compiled_model_on_real_memory(cli):
+    status, out, err = cli("find", "--compile", "aot_eager", "--input-shape", "32", "--max-batch-size", "64",
+                           "--json", "--no-progress")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert set(doc) == report.SCHEMAS["find"]
+    assert doc["compiled"] and doc["compiled_trials"] and doc["memory"] == "resident"
+    assert doc["compilations"] == 1  # the warm-up's dynamic graph served every trial
+    assert min(t["batch_size"] for t in doc["trials"]) == 2
+    status, out, err = cli("find", "--compile", "aot_eager", "--input-shape", "32", "--capacity", "4MiB", "--no-progress")
+    assert status == 0, err
+    assert "compiled model: trials ran eagerly" in out
+
+
 def test_find_prints_a_table_of_the_trials(cli):
     status, out, err = cli("find", "--model", "mlp", "--input-shape", "32", "--capacity", "3MiB",
                            "--strategy", "power", "--no-progress")
@@ -210,6 +224,7 @@ def test_bad_arguments_exit_2_without_traceback():
     (("train", "--target", "0.97", "--no-progress"), "target"),
     (("train", "--capacity", "2MiB", "--squeeze-capacity", "3MiB"), "below"),
     (("train", "--grad-accum-steps", "300"), "grad-accum-steps"),
+    (("find", "--compile", "inductr", "--capacity", "1MiB"), "no such torch.compile backend"),
 ])
 def test_user_errors_exit_2(cli, argv, needle):
     status, out, err = cli(*argv)

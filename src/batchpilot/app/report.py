@@ -23,6 +23,10 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     fit                       {fixed_bytes, bytes_per_sample} | null
     tensor_fit                the tensor bytes alone (memory "resident"), same keys | null
     snapshot                  {bytes, seconds, on_disk}: the restore snapshot's cost
+    compiled                  the model is (or holds) a torch.compile'd module
+    compiled_trials           the trials ran the compiled program (false: eagerly, under an
+                              emulated CPU capacity)
+    compilations              graphs dynamo compiled during the search, warm-up included
     trials                    [{batch_size, outcome "fit"|"over_target"|"oom"|"refused",
                                 peak_bytes|null, start_bytes|null, seconds,
                                 tensor_bytes|null, bound_bytes|null}]
@@ -95,6 +99,7 @@ SCHEMA_VERSION = 2
 _PLAN_KEYS = frozenset({
     "strategy", "target", "capacity_bytes", "limit_bytes", "batch_size", "stop_reason", "steps_per_trial",
     "fit", "trials", "num_trials", "num_ooms", "seconds", "memory", "binding_limit", "tensor_fit", "snapshot",
+    "compiled", "compiled_trials", "compilations",
 })
 _JOB_KEYS = frozenset({"schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp"})
 
@@ -216,6 +221,9 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "tensor_fit": tensor_fit,
         "snapshot": {"bytes": int(d.get("snapshot_bytes", 0)), "seconds": float(d.get("snapshot_seconds", 0.0)),
                      "on_disk": bool(d.get("snapshot_on_disk", False))},
+        "compiled": bool(d.get("compiled", False)),
+        "compiled_trials": bool(d.get("compiled_trials", False)),
+        "compilations": int(d.get("compilations", 0)),
     }
 
 

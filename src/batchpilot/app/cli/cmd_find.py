@@ -57,6 +57,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="plan the first real trial on fake tensors (one planning pass, no device memory), then "
                         "verify it: fewer real trials and OOMs where trials are expensive (GPUs); falls back "
                         "to an unseeded search if the model cannot be planned")
+    s.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="size the torch.compile'd model (backend inductor unless named, e.g. aot_eager): its "
+                        "trials run the compiled step on real memory (a GPU, or a CPU without --capacity); under "
+                        "an emulated CPU capacity they run eagerly")
     s.add_argument("--seed", type=int, default=0, help="seed of the model weights and random inputs (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -92,12 +96,27 @@ def _human(doc: dict[str, Any]) -> str:
                      "per sample; the rest is allocator, kernel scratch and the runtime")
     if doc["binding_limit"]:
         lines.append(f"capacity set by: {doc['binding_limit']}")
+    if doc["compiled"]:
+        ran = "the compiled step" if doc["compiled_trials"] else "eagerly (an emulated CPU capacity counts tensors)"
+        lines.append(f"compiled model: trials ran {ran}; {doc['compilations']} graph(s) compiled during the search")
     lines.append(
         f"batch size: {doc['batch_size']}  (limit {format_bytes(doc['limit_bytes'])} = {doc['target']:.0%} of "
         f"{format_bytes(doc['capacity_bytes'])}; {_STOPS.get(doc['stop_reason'], doc['stop_reason'])}; "
         f"{doc['num_trials']} trials, {doc['num_ooms']} OOM, {doc['seconds']:.2f} s)"
     )
     return "\n".join(lines)
+
+
+def _compile_backend(name: str | None) -> str | None:
+    """The ``--compile`` backend, checked against dynamo's list before anything is built."""
+    if name is None:
+        return None
+    import torch._dynamo  # 2-3 s: only for --compile
+
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UsageError(f"--compile {name}: no such torch.compile backend; choose one of "
+                         f"{', '.join(torch._dynamo.list_backends())}")
+    return name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,10 +136,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--min-batch-size {args.min_batch_size} is above --max-batch-size {args.max_batch_size}")
     if args.plan_first and args.strategy != "predict":
         raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
+    backend = _compile_backend(args.compile)
     torch.manual_seed(args.seed)
     model = workload.build_model().to(device)
     workload.check(model, seed=args.seed)
     optimizer = workload.make_optimizer(model)
+    if backend is not None:
+        model = torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(args.seed)
     with report.logging_through_progress(not args.no_progress):
         # a fresh host batch per step (only its inputs are live, as when a loader feeds the
