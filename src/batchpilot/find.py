@@ -513,7 +513,8 @@ class _TrialRunner:
                     self.step(batch_size)
 
         if real:
-            free_memory(self.device)  # freed heap back to the OS: the resident peak then starts clean
+            # the last trial's garbage back to the OS: the resident peak then starts clean
+            free_memory(self.device, generation=1)
         began = time.perf_counter()
         self.gauge.reset()
         # real memory keeps part of a step's memory resident (allocator caches) into the next,
@@ -529,7 +530,7 @@ class _TrialRunner:
             peaks.append(int(self.gauge.peak()))
             self.gauge.close()
             if real:
-                free_memory(self.device)
+                free_memory(self.device, generation=1)
             self.snapshot.restore()
 
         # the restore runs after the OOM's traceback is gone, before memory is released
