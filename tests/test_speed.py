@@ -194,6 +194,35 @@ def test_search_throughput_appends_the_probes_to_the_trials_within_max_trials(ca
     search_throughput(short, trial, lowest=1, highest=2841, max_trials=4)
     assert [t.batch_size for t in short] == [1, 14, 2841, 703]
     assert "stopped at max_trials=4" in caplog.text
+    untimed = [trial(1, outcome="over_target")]  # nothing timed: nothing to search or time again
+    search_throughput(untimed, trial, lowest=1, highest=1, retime=lambda b: 1.0)
+    assert len(untimed) == 1
+
+
+def test_the_decisive_sizes_are_timed_again_in_turn_and_a_slow_first_measurement_corrected():
+    # the largest fit was first timed while another process ran: 30% slow. Against that best the
+    # knee looks lower; timed again, side by side with the answer, it is not.
+    trials = [trial(1), trial(14), trial(2841, lambda b: 1.3 * linear(b))]
+    retimed = []
+
+    def retime(b: int) -> float:
+        retimed.append(b)
+        return linear(b)
+
+    search_throughput(trials, trial, lowest=1, highest=2841, retime=retime)
+    c = choose_fastest(timed_fits(trials))
+    assert c.best_batch_size == 2841 and trials[2].step_seconds == linear(2841)  # corrected
+    assert c.batch_size / linear(c.batch_size) >= 0.95 * 2841 / linear(2841)  # within 5% of the true best
+    # the decisive sizes (answer, the size under it, fastest, largest), in turn, rotated between rounds
+    n = len(set(retimed[:4]))
+    first, second, third = retimed[:n], retimed[n:2 * n], retimed[2 * n:3 * n]
+    assert first == sorted(first) and 2841 in first and second == first[1:] + first[:1]
+    assert third == first[2:] + first[:2]  # three more visits each: the median of four
+    # without re-timing, the slow measurement sets a lower bar, and an answer 5% under the true best
+    noisy = [trial(1), trial(14), trial(2841, lambda b: 1.3 * linear(b))]
+    search_throughput(noisy, trial, lowest=1, highest=2841)
+    bad = choose_fastest(timed_fits(noisy)).batch_size
+    assert bad / linear(bad) < 0.95 * 2841 / linear(2841)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 0.5, 1, "5%", True, None])

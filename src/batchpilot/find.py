@@ -404,7 +404,8 @@ def find_batch_size(
             space = result.space or space
             if cfg.objective == "throughput" and result.batch_size is not None:
                 search_throughput(result.trials, trial_fn, lowest=cfg.min_batch_size, highest=result.batch_size,
-                                  tolerance=cfg.speed_tolerance, max_trials=cfg.max_trials, on_trial=report)
+                                  tolerance=cfg.speed_tolerance, max_trials=cfg.max_trials, on_trial=report,
+                                  retime=trial_fn.retime)
     finally:
         if bar is not None:
             bar.close()
@@ -616,6 +617,30 @@ class _TrialRunner:
                       alloc_retries=None if retries is None or after is None else after - retries)
         self.done.append(trial)
         return trial
+
+    def retime(self, batch_size: int) -> float | None:
+        """A warm-up step and ``timed_steps`` timed ones at a size that fitted; the fastest, or ``None``.
+
+        For comparing sizes side by side (the throughput objective); memory is not measured
+        again. The state is put back after, as after a trial.
+        """
+        tracked = self.device.type == "cpu"
+        read = step_clock(self.device)
+        times: list[float] = []
+
+        def one_step() -> None:
+            self.step(batch_size)
+
+        def run() -> None:
+            with outside_trackers() if tracked else contextlib.nullcontext(True) as clear:
+                if clear:
+                    one_step()
+                    times.extend(timed(one_step, self.gauge.synchronize, read) for _ in range(self.timed_steps))
+
+        outcome = attempt(run, device=self.device, on_oom=self.snapshot.restore)
+        if not outcome.oom:
+            self.snapshot.restore()
+        return None if outcome.oom or not times else min(times)
 
     def _time_steps(self, times: list[float], one_step: Callable[[], None], tracked: bool,
                     read: Callable[[], float]) -> None:

@@ -100,7 +100,9 @@ class Trial:
         bound_bytes: for an OOM whose allocator said how much it asked for, the peak reached
             plus that request: the step needed at least this, and the real capacity is below it.
         step_seconds: the fastest of the trial's timed steps (device synchronised, the warm-up
-            step left out), for a trial that fitted; ``None`` when none was timed.
+            step left out), for a trial that fitted; ``None`` when none was timed. A size the
+            throughput objective's choice rests on is visited again, side by side with the
+            others, and keeps the median of its visits' fastest steps.
         alloc_retries: CUDA allocator retries during the trial (cudaMalloc failed, the cache was
             freed and the allocation retried: thrashing just below an OOM); ``None`` elsewhere.
     """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -30,6 +31,7 @@ __all__ = [
     "choose_fastest",
     "ThroughputSearch",
     "timed_fits",
+    "decisive_sizes",
     "search_throughput",
     "SplitChoice",
     "split_seconds",
@@ -329,28 +331,68 @@ def timed_fits(trials: Iterable[Any], upto: int | None = None) -> dict[int, floa
             if t.fits and t.step_seconds and (upto is None or t.batch_size <= upto)}
 
 
+def decisive_sizes(points: Mapping[int, float], tolerance: float = SPEED_TOLERANCE) -> list[int]:
+    """The sizes the throughput choice rests on: the answer, the size under it, the fastest and the largest.
+
+    Measured at different times on a shared machine, their times carry different noise; timing
+    them again, in turn, is what makes the comparison fair (:func:`search_throughput`). The
+    largest (the memory answer) is among them because a slow first measurement there reads
+    as a curve that falls, and sends the search after a peak that is not there.
+    """
+    choice = choose_fastest(points, tolerance)
+    if choice is None:
+        return []
+    below = [b for b in points if b < choice.batch_size]
+    return sorted({choice.batch_size, choice.best_batch_size, max(points), *([max(below)] if below else [])})
+
+
 def search_throughput(
     trials: list[Any], run_trial: Callable[[int], Any], *, lowest: int, highest: int,
     tolerance: float = SPEED_TOLERANCE, max_trials: int = 25, on_trial: Callable[[Any], None] | None = None,
+    retime: Callable[[int], float | None] | None = None, rounds: int = 3,
 ) -> None:
     """Time the sizes :class:`ThroughputSearch` asks for below ``highest``, appending each trial to ``trials``.
 
     ``trials`` are the memory search's (``highest`` the largest that fitted); ``run_trial`` runs
-    one more and returns its :class:`batchpilot.search.Trial`. Stops when the search is done or
-    ``trials`` holds ``max_trials`` (logged: the answer may then be larger than the knee).
+    one more and returns its :class:`batchpilot.search.Trial`. When the search is done, and
+    ``retime`` is given (the fastest of a fresh visit's timed steps at a size, or ``None``),
+    the :func:`decisive_sizes` are visited ``rounds`` more times, in turn, and each trial's
+    ``step_seconds`` becomes the median over its visits; if that changes the choice, the
+    search goes on from there (three times at most). Stops early when ``trials`` holds ``max_trials`` (logged: the answer may then be
+    larger than the knee).
     """
     search = ThroughputSearch(tolerance=tolerance)
-    while (b := search.next_size(timed_fits(trials), lowest=lowest, highest=highest)) is not None:
-        if any(t.batch_size == b for t in trials):  # tried, but not timed (e.g. over the target)
+    for _ in range(3):
+        while (b := search.next_size(timed_fits(trials), lowest=lowest, highest=highest)) is not None:
+            if any(t.batch_size == b for t in trials):  # tried, but not timed (e.g. over the target)
+                break
+            if len(trials) >= max_trials:
+                logger.warning("the throughput search stopped at max_trials=%d; raise it for a closer answer",
+                               max_trials)
+                return
+            trial = run_trial(b)
+            trials.append(trial)
+            if on_trial is not None:
+                on_trial(trial)
+        points = timed_fits(trials, upto=highest)
+        before = choose_fastest(points, tolerance)
+        if retime is None or before is None:
             return
-        if len(trials) >= max_trials:
-            logger.warning("the throughput search stopped at max_trials=%d; raise it for a closer answer",
-                           max_trials)
+        sizes = decisive_sizes(points, tolerance)
+        by_size = {t.batch_size: t for t in trials if t.fits and t.step_seconds}
+        seen = {b: [by_size[b].step_seconds] for b in sizes}
+        for r in range(rounds):
+            for b in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
+                seconds = retime(b)
+                if seconds is not None:
+                    seen[b].append(seconds)
+        for b in sizes:
+            # each visit's fastest step, then the median over visits: a size timed in a quiet
+            # moment is not favoured over one timed under load
+            by_size[b].step_seconds = statistics.median(seen[b])
+        after = choose_fastest(timed_fits(trials, upto=highest), tolerance)
+        if after is None or (after.batch_size, after.best_batch_size) == (before.batch_size, before.best_batch_size):
             return
-        trial = run_trial(b)
-        trials.append(trial)
-        if on_trial is not None:
-            on_trial(trial)
 
 
 def split_seconds(total: int, parts: int, step_time: Callable[[int], float]) -> float:
