@@ -70,7 +70,8 @@ class EngineConfig:
             failed attempt (cost: one in-place copy of those buffers per step).
         restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
         find_options: extra keyword arguments for :func:`batchpilot.find.find_batch_size` when
-            ``micro_batch_size="auto"`` and no ``start`` is given.
+            ``micro_batch_size="auto"`` and no ``start`` is given (with ``split="time"`` its
+            ``timed_steps`` defaults to 3: the split is decided on those times).
         split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
             micro-batch that fits: ``"time"``: the fewest micro-batches, balanced, unless the
             finder's timed trials predict more, smaller ones faster by ``split_margin``
@@ -616,6 +617,8 @@ class Engine:
 
         options = dict(self.config.find_options)
         options.setdefault("target", self.target)
+        if self.config.split == "time":
+            options.setdefault("timed_steps", 3)  # the split is decided on these times: the fastest of three
         if self.config.capacity is not None:
             options.setdefault("capacity", self.config.capacity)
         options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))

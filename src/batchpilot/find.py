@@ -308,10 +308,11 @@ def find_batch_size(
     Speed: every trial that fits also times ``timed_steps`` steps after the warm-up step (the
     device synchronised around each, the fastest counts; on CPU with the storage tracker set
     aside, which slows every operator, and with one intra-op thread by the thread's CPU time,
-    which other processes cannot stretch: :mod:`batchpilot.timing`), and ``plan.time_fit`` fits ``T(b) = fixed + per_sample
-    × b`` to them. ``objective="throughput"`` then times a few smaller sizes
-    (:class:`~batchpilot.speed.ThroughputSearch`) and answers the smallest fitting batch whose
-    samples/s is within ``speed_tolerance`` of the fastest measured; memory stays a hard limit.
+    which other processes cannot stretch: :mod:`batchpilot.timing`), and ``plan.time_fit``
+    fits ``T(b) = fixed + per_sample × b`` to them. ``objective="throughput"`` then times a
+    few smaller sizes (:class:`~batchpilot.speed.ThroughputSearch`), times the sizes the choice
+    rests on again side by side, and answers the smallest fitting batch whose samples/s is
+    within ``speed_tolerance`` of the fastest measured; memory stays a hard limit.
 
     Args:
         step: runs one full step (forward, backward, optimizer step) at a batch size.

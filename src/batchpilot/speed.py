@@ -299,9 +299,11 @@ class ThroughputSearch:
         i = sizes.index(best)
         # a neighbour about as fast says the curve is flat in between: no peak to look for there
         slow = (1.0 - self.tolerance / 2) * choice.best_samples_per_second
-        gaps = [(hi / lo, lo, hi) for lo, hi, other in ((best, sizes[i + 1], sizes[i + 1]),
-                                                        (sizes[i - 1] if i else None, best, sizes[i - 1] if i else None))
-                if other is not None and other / times[other] < slow]
+        gaps = []
+        for other in sizes[i + 1:i + 2] + sizes[max(0, i - 1):i]:  # the neighbours above and below
+            if other / times[other] < slow:
+                lo, hi = min(best, other), max(best, other)
+                gaps.append((hi / lo, lo, hi))
         for ratio, lo, hi in sorted(gaps, reverse=True):
             mid = math.isqrt(lo * hi)
             if ratio > self.ladder and lo < mid < hi:
@@ -326,7 +328,10 @@ class ThroughputSearch:
 
 
 def timed_fits(trials: Iterable[Any], upto: int | None = None) -> dict[int, float]:
-    """``{batch size: seconds per step}`` of the trials (:class:`batchpilot.search.Trial`) that fitted and were timed."""
+    """``{batch size: seconds per step}`` of the trials (:class:`~batchpilot.search.Trial`) that fitted and were timed.
+
+    ``upto``: only sizes at most this.
+    """
     return {t.batch_size: t.step_seconds for t in trials
             if t.fits and t.step_seconds and (upto is None or t.batch_size <= upto)}
 
@@ -358,8 +363,8 @@ def search_throughput(
     ``retime`` is given (the fastest of a fresh visit's timed steps at a size, or ``None``),
     the :func:`decisive_sizes` are visited ``rounds`` more times, in turn, and each trial's
     ``step_seconds`` becomes the median over its visits; if that changes the choice, the
-    search goes on from there (three times at most). Stops early when ``trials`` holds ``max_trials`` (logged: the answer may then be
-    larger than the knee).
+    search goes on from there (three times at most). Stops early when ``trials`` holds
+    ``max_trials`` (logged: the answer may then be larger than the knee).
     """
     search = ThroughputSearch(tolerance=tolerance)
     for _ in range(3):

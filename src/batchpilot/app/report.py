@@ -372,7 +372,8 @@ def plot_memory_fit(ax: Any, plan: Mapping[str, Any] | None) -> None:
     if limit:
         ax.axhline(limit / _MIB, color="tab:purple", ls=":", lw=1.2, label=f"target {format_bytes(limit)}")
     if chosen:
-        ax.axvline(chosen, color="tab:gray", ls="-.", lw=1, label=f"chosen batch {chosen} ({plan.get('objective', 'memory')})")
+        ax.axvline(chosen, color="tab:gray", ls="-.", lw=1,
+                   label=f"chosen batch {chosen} ({plan.get('objective', 'memory')})")
     ax.set_xlim(0, x_max)
     ax.set_ylim(bottom=0)
     ax.set_title(f"memory and speed vs batch size (finder: {plan.get('strategy', '?')})")
