@@ -104,3 +104,30 @@ def test_bad_split_options():
         EngineConfig(split="fast")
     with pytest.raises(ValueError, match="speed_tolerance"):
         EngineConfig(split_margin=0.9)
+
+
+def test_the_engines_own_finder_times_the_curve_and_the_split_follows_it(monkeypatch):
+    from batchpilot import timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: now[0])
+    monkeypatch.setattr(timing, "thread_clock", lambda: now[0])
+
+    def clocked(m, b):  # a real loss, and the fake clock moves by the curve at this micro-batch
+        now[0] += cache_cliff(len(b[0]))
+        return CE(m, b)
+
+    model, opt = make("mlp")
+    ref_model, ref_opt = make("mlp")
+    batch = next(batches(model, 64, 1))
+    # the throughput search gives the finder's plan a dense curve; memory allows the whole batch
+    cfg = EngineConfig(find_options={"objective": "throughput"})
+    eng = Engine(model, opt, clocked, global_batch_size=64, config=cfg)
+    with emulate_capacity(1 << 30, track=(model, opt)):
+        r = eng.step(batch)
+    assert eng.plan.largest_fitting == 64 and len(eng.plan.timed_points()) >= 4
+    assert eng.split.accum_steps > 1 and r.micro_batch_size < 64
+    assert r.micro_batch_reason.startswith("measured faster")
+    # the finer split is the same update (no BatchNorm): fp32, rtol 1e-5
+    Engine(ref_model, ref_opt, CE, global_batch_size=64, micro_batch_size=64).step(batch)
+    assert_params_close(params(model), params(ref_model))
