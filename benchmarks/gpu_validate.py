@@ -13,7 +13,7 @@ transformer, all written here) it checks:
    first micro-batch runs out of memory, minus the first step of a fresh engine started at the
    micro-batch the first one settled on);
 5. speed (``benchmarks/speed.py``'s method): the throughput objective's batch against an
-   interleaved sweep of samples/s over 10 sizes up to the largest fit (its samples/s over the
+   interleaved sweep of samples/s over 10 sizes (small: 8) up to the largest fit (its samples/s over the
    sweep's best, its peak over the largest fit's), and the engine's balanced split of
    ``1.28 ×`` the largest fit against the largest micro-batch first (step time, peak).
 
@@ -408,7 +408,7 @@ def check_oom_recovery(r: Runner, capacity: int, truth_like: int, repeats: int, 
                  f"{cost / clean_step:.2f} steps"))
 
 
-def check_speed(r: Runner, capacity: int, target: float, tolerance: float, rounds: int, rows: list,
+def check_speed(r: Runner, capacity: int, target: float, tolerance: float, rounds: int, count: int, rows: list,
                 doc: dict) -> None:
     """The throughput objective against an interleaved sweep; the balanced split against the largest first."""
     r.release()
@@ -416,7 +416,7 @@ def check_speed(r: Runner, capacity: int, target: float, tolerance: float, round
                            speed_tolerance=tolerance, restore=(r.model, r.optimizer))
     r.release()
     largest, chosen = plan.largest_fitting, plan.batch_size
-    sizes = sorted(set(geometric_sizes(largest, 10)) | {chosen})
+    sizes = sorted(set(geometric_sizes(largest, count)) | {chosen})
     snapshot = StateSnapshot([r.model, r.optimizer])
     sweep = interleaved_sweep(r.step, sizes, rounds=rounds, steps=2, sync=r.sync, clock=step_clock(r.device),
                               restore=snapshot.restore)
@@ -470,7 +470,8 @@ def check_speed(r: Runner, capacity: int, target: float, tolerance: float, round
                     "seconds": timing, "peak": peak, "time_ratio": timing["balanced"] / timing["first"],
                     "peak_ratio": peak["balanced"] / peak["first"]}
     rows.append((r.case.name, "balanced split", f"{total} at most {largest} per micro-batch",
-                 f"{k} x ~{split.micro_batch_size}: {1e3 * timing['balanced']:.1f} ms, {format_bytes(peak['balanced'])}",
+                 f"{k} x ~{split.micro_batch_size}: {1e3 * timing['balanced']:.1f} ms, "
+                 f"{format_bytes(peak['balanced'])}",
                  f"{largest} + {total - largest}: {1e3 * timing['first']:.1f} ms, {format_bytes(peak['first'])}",
                  f"{timing['balanced'] / timing['first']:.3f}x"))
 
@@ -525,7 +526,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             guarded(rows, mdoc, name, "OOM recovery", lambda: check_oom_recovery(
                 r, capacity, mdoc["finder"]["true_max"], args.repeats, rows, mdoc))
         guarded(rows, mdoc, name, "speed", lambda: check_speed(r, capacity, args.target, args.speed_tolerance,
-                                                              args.sweep_rounds, rows, mdoc))
+                                                              args.sweep_rounds, 8 if args.small else 10, rows, mdoc))
         mdoc["seconds"] = time.perf_counter() - t0
         # each model's rows as soon as they exist: a run cut short still leaves them in the log
         print(format_table(COLUMNS, [row for row in rows if row[0] == name]), flush=True)
@@ -557,7 +558,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per throughput point (default 10; small 3)")
     p.add_argument("--repeats", type=int, default=None, help="OOM-recovery repetitions (default 3; small 1)")
     p.add_argument("--speed-tolerance", type=float, default=0.05, help="the throughput objective's tolerance")
-    p.add_argument("--sweep-rounds", type=int, default=None, help="interleaved sweep rounds (default 5; small 2)")
+    p.add_argument("--sweep-rounds", type=int, default=None, help="interleaved sweep rounds (default 5; small 1)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     cpu = torch.device(args.device).type == "cpu"
@@ -569,7 +570,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.amp = args.amp or ("none" if cpu else "bf16")
     args.steps = args.steps or (3 if args.small else 10)
     args.repeats = args.repeats or (1 if args.small else 3)
-    args.sweep_rounds = args.sweep_rounds or (2 if args.small else 5)
+    args.sweep_rounds = args.sweep_rounds or (1 if args.small else 5)
     if not math.isfinite(args.target) or not 0 < args.target <= 1:
         p.error("--target must be in (0, 1]")
     return args

@@ -55,7 +55,7 @@ from batchpilot.speed import choose_split  # noqa: E402
 from batchpilot.timing import step_clock  # noqa: E402
 
 SWEEP_COLUMNS = ("model", "mode", "run", "tol", "largest", "sweep sizes", "best (swept)", "choice", "trials",
-                 "choice/best s/s", "wall", "choice/largest peak", "saturates", "goal")
+                 "choice/best s/s", "halves", "wall", "noise", "choice/largest peak", "saturates", "goal")
 SPLIT_COLUMNS = ("model", "batch", "largest first", "balanced", "time ratio", "wall", "peak first",
                  "peak balanced", "peak ratio", "goal")
 QUICK_SIZES = {"mlp": {"width": 128}, "cnn": {"widths": (4, 8, 16)}, "transformer": {"dim": 16, "layers": 1}}
@@ -171,6 +171,10 @@ def measure_choice(job: Job, capacity: int, target: float, tolerances: list[floa
     wall_best = max(s["wall_samples_per_second"] for s in sweep.values())
     # where the curve saturates, some swept size within 3% of the best uses <= 0.8 of the largest's peak
     saturates = any(sweep[b]["samples_per_second"] >= 0.97 * top and peaks[b] <= 0.8 * peaks[largest] for b in sizes)
+    # the sweep's own noise: each size's spread over rounds (IQR / median), the median over sizes;
+    # and the choice's ratio to the best in each half of the rounds, measured apart
+    spread = statistics.median(_iqr(s["seconds_all"]) / s["seconds"] for s in sweep.values())
+    halves = [_half_sps(sweep, part) for part in (0, 1)]
     rows = []
     for tol, (plan, seconds) in plans.items():
         chosen = plan.batch_size
@@ -180,7 +184,8 @@ def measure_choice(job: Job, capacity: int, target: float, tolerances: list[floa
             "model": job.name, "mode": job.mode, "tolerance": tol, "largest": plan.largest_fitting, "choice": chosen,
             "best": best, "sizes": sizes, "sweep": sweep, "peaks": peaks, "choice_over_best": sps_ratio,
             "wall_choice_over_best": sweep[chosen]["wall_samples_per_second"] / wall_best,
-            "choice_peak_over_largest": peak_ratio, "saturates": saturates,
+            "choice_peak_over_largest": peak_ratio, "saturates": saturates, "noise": spread,
+            "halves": [h[chosen] / max(h.values()) for h in halves],
             "goal_met": sps_ratio >= 0.97 and (peak_ratio <= 0.8 or not saturates), "reason": plan.reason,
             "find_seconds": seconds, "find_trials": plan.num_trials, "trials": [t.to_dict() for t in plan.trials],
             "time_fit": None if plan.time_fit is None else vars(plan.time_fit),
@@ -255,17 +260,34 @@ def measure_split(job: Job, largest: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def _iqr(xs: list[float]) -> float:
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return q[2] - q[0]
+
+
+def _half_sps(sweep: dict[int, dict[str, Any]], part: int) -> dict[int, float]:
+    """Samples/s per size from the first (``part`` 0) or second half of the rounds alone."""
+    out = {}
+    for b, s in sweep.items():
+        ts = s["seconds_all"]
+        half = ts[: max(1, len(ts) // 2)] if part == 0 else ts[len(ts) // 2:]
+        out[b] = b / statistics.median(half)
+    return out
+
+
 def _sizes(sizes: list[int]) -> str:
     return " + ".join(map(str, sizes)) if len(sizes) <= 3 else f"{len(sizes)} x ~{sizes[0]}"
 
 
 def sweep_row(r: dict[str, Any]) -> tuple:
     sw = r["sweep"]
-    return (r["model"], r["mode"], r["repeat"], r["tolerance"], r["largest"], f"{len(r['sizes'])}: {r['sizes'][0]}..{r['sizes'][-1]}",
+    return (r["model"], r["mode"], r["repeat"], r["tolerance"], r["largest"],
+            f"{len(r['sizes'])}: {r['sizes'][0]}..{r['sizes'][-1]}",
             f"{r['best']} ({sw[r['best']]['samples_per_second']:,.0f})",
             f"{r['choice']} ({sw[r['choice']]['samples_per_second']:,.0f})", r["find_trials"],
-            f"{r['choice_over_best']:.3f}",
-            f"{r['wall_choice_over_best']:.3f}", f"{r['choice_peak_over_largest']:.2f}", "yes" if r["saturates"] else "no",
+            f"{r['choice_over_best']:.3f}", "/".join(f"{h:.2f}" for h in r["halves"]),
+            f"{r['wall_choice_over_best']:.3f}", f"{r['noise']:.2f}", f"{r['choice_peak_over_largest']:.2f}",
+            "yes" if r["saturates"] else "no",
             "met" if r["goal_met"] else "missed")
 
 
@@ -338,16 +360,19 @@ def format_result(doc: dict[str, Any]) -> str:
             f"{doc['rounds']} rounds x {doc['steps']} timed steps, "
             f"torch {doc['machine']['torch']}, {doc['date']}")
     out = [head, "", "throughput objective vs an interleaved sweep (samples/s: median over rounds of the fastest "
-                     "timed step, by the thread's CPU time as the finder times a one-thread CPU; 'wall': the "
-                     "same ratio by the wall clock)",
+                     "timed step, by the thread's CPU time as the finder times a one-thread CPU; 'halves': the "
+                     "same ratio from each half of the rounds alone; 'wall': by the wall clock; 'noise': the "
+                     "sweep's spread over rounds, IQR / median, the median over sizes)",
            format_table(SWEEP_COLUMNS, [sweep_row(r) for r in doc["sweeps"]])]
     tally: dict[tuple, list[bool]] = {}
     for r in doc["sweeps"]:
         tally.setdefault((r["model"], r["mode"], r["tolerance"]), []).append(r["goal_met"])
-    out.append("goal met: " + ", ".join(f"{m} {mode} {tol}: {sum(v)}/{len(v)}" for (m, mode, tol), v in tally.items()))
+    out.append("goal met: " + ", ".join(f"{m} {mode} {tol}: {sum(v)}/{len(v)}"
+                                        for (m, mode, tol), v in tally.items()))
     if doc["splits"]:
         out += ["", "engine split: balanced vs the largest micro-batch first (time ratio = balanced / first, "
-                    "median of paired rounds, CPU time; 'wall': by the wall clock)", format_table(SPLIT_COLUMNS, [split_row(r) for r in doc["splits"]])]
+                    "median of paired rounds, CPU time; 'wall': by the wall clock)",
+                format_table(SPLIT_COLUMNS, [split_row(r) for r in doc["splits"]])]
     out.append(f"total {doc['seconds']:.0f} s")
     return "\n".join(out)
 

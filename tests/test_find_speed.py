@@ -132,9 +132,10 @@ def test_throughput_objective_picks_the_knee_and_memory_stays_a_hard_limit(clock
 def test_a_tolerance_of_zero_takes_the_fastest_and_wider_ones_smaller(clock):
     model, opt, batch = setup("mlp")
     step, _ = clocked_step(model, opt, batch, clock)
-    kw = dict(restore=(model, opt), capacity=CAPACITY, max_batch_size=4096, objective="throughput")
+    kw = dict(restore=(model, opt), capacity=CAPACITY, max_batch_size=200, objective="throughput")
     exact = find_batch_size(step, speed_tolerance=0.0, **kw)
     wide = find_batch_size(step, speed_tolerance=0.2, **kw)
+    assert exact.largest_fitting == 200 and exact.stop_reason == "max_batch_size"
     assert exact.batch_size == exact.largest_fitting  # a saturating curve is fastest at its largest size
     assert wide.batch_size < find_batch_size(step, **kw).batch_size < exact.batch_size
 
