@@ -131,3 +131,17 @@ def test_the_engines_own_finder_times_the_curve_and_the_split_follows_it(monkeyp
     # the finer split is the same update (no BatchNorm): fp32, rtol 1e-5
     Engine(ref_model, ref_opt, CE, global_batch_size=64, micro_batch_size=64).step(batch)
     assert_params_close(params(model), params(ref_model))
+
+
+def test_the_memory_bound_is_a_memory_plans_answer_and_a_throughput_plans_largest_fit():
+    # after find_batch_size_distributed a memory plan's batch_size is the smallest rank's answer,
+    # below this rank's own largest fit: the split must stay under the agreed one
+    model, opt = make("mlp")
+    agreed = timed_plan(48, linear, (1, 16, 48))
+    agreed.batch_size = 20
+    eng = Engine(model, opt, CE, global_batch_size=64, start=agreed)
+    assert eng.step(next(batches(model, 64, 1))).micro_batch_size == 16  # 4 x 16 under 20, not 2 x 32 under 48
+    fast = timed_plan(48, linear, (1, 16, 48))
+    fast.objective, fast.batch_size = "throughput", 16  # the smallest about as fast; 48 fits
+    eng = Engine(*make("mlp"), CE, global_batch_size=64, start=fast)
+    assert eng.step(next(batches(model, 64, 1))).micro_batch_size == 32  # the split is the engine's own

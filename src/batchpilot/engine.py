@@ -553,8 +553,10 @@ class Engine:
         plan = self.plan
         if plan is not None:
             # a throughput plan answers a smaller batch; the engine splits a fixed batch, so the
-            # memory bound is what fits, and the split is chosen by time below
-            largest = max(1, min(int(plan.largest_fitting or plan.batch_size), self._per_rank))
+            # memory bound is what fits, and the split is chosen by time below. A memory plan's
+            # answer is the bound (after a distributed search, the smallest rank's)
+            bound = plan.largest_fitting if plan.objective == "throughput" and plan.largest_fitting else plan.batch_size
+            largest = max(1, min(int(bound), self._per_rank))
         curve = None
         if plan is not None and self.config.split == "time":
             try:
