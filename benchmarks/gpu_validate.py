@@ -12,7 +12,11 @@ transformer, all written here) it checks:
 4. OOM recovery: the seconds one OOM costs in the ``Engine`` (the first step of an engine whose
    first micro-batch runs out of memory, minus the first step of a fresh engine started at the
    micro-batch the first one settled on);
-5. torch.compile (``--compile``, inductor by default on CUDA, off on CPU): the compiled step's
+5. speed (``benchmarks/speed.py``'s method): the throughput objective's batch against an
+   interleaved sweep of samples/s over 10 sizes (small: 8) up to the largest fit (its samples/s over the
+   sweep's best, its peak over the largest fit's), and the engine's balanced split of
+   ``1.28 ×`` the largest fit against the largest micro-batch first (step time, peak).
+6. torch.compile (``--compile``, inductor by default on CUDA, off on CPU): the compiled step's
    peak against the eager one's and against the planner (which plans the eager program), and
    ``find_batch_size_for`` on the compiled model under the same capacity, with the graphs
    dynamo compiled during the search (one at most: the warm-up's).
@@ -47,6 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import allocator_peak, largest_fitting, machine  # noqa: E402
+from speed import geometric_sizes, interleaved_sweep  # noqa: E402
 
 from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
@@ -58,6 +63,8 @@ from batchpilot.oom import attempt, free_memory  # noqa: E402
 from batchpilot.plan import default_step, estimate_peak_memory  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.snapshot import StateSnapshot  # noqa: E402
+from batchpilot.speed import choose_split  # noqa: E402
+from batchpilot.timing import step_clock  # noqa: E402
 
 COLUMNS = ("model", "check", "setting", "batchpilot", "measured", "error / ratio")
 MODELS = ("mlp", "resnet50", "gpt2")
@@ -476,6 +483,74 @@ def check_compiled(r: Runner, backend: str, capacity: int, target: float, rows: 
     free_memory(r.device)
 
 
+def check_speed(r: Runner, capacity: int, target: float, tolerance: float, rounds: int, count: int, rows: list,
+                doc: dict) -> None:
+    """The throughput objective against an interleaved sweep; the balanced split against the largest first."""
+    r.release()
+    plan = find_batch_size(r.step, device=r.device, target=target, capacity=capacity, objective="throughput",
+                           speed_tolerance=tolerance, restore=(r.model, r.optimizer))
+    r.release()
+    largest, chosen = plan.largest_fitting, plan.batch_size
+    sizes = sorted(set(geometric_sizes(largest, count)) | {chosen})
+    snapshot = StateSnapshot([r.model, r.optimizer])
+    sweep = interleaved_sweep(r.step, sizes, rounds=rounds, steps=2, sync=r.sync, clock=step_clock(r.device),
+                              restore=snapshot.restore)
+    snapshot.close()
+    r.release()
+    peaks = {b: measure_peak(r, b)[1] for b in (chosen, largest)}  # reserved on CUDA, tensor bytes on CPU
+    best = max(sweep, key=lambda b: sweep[b]["samples_per_second"])
+    top = sweep[best]["samples_per_second"]
+    ratio = sweep[chosen]["samples_per_second"] / top
+    doc["speed"] = {"tolerance": tolerance, "largest_fitting": largest, "batch_size": chosen, "reason": plan.reason,
+                    "trials": [t.to_dict() for t in plan.trials], "sizes": sizes, "sweep": sweep, "best": best,
+                    "choice_over_best": ratio, "peaks": peaks, "peak_over_largest": peaks[chosen] / peaks[largest]}
+    rows.append((r.case.name, "throughput choice", f"tol {tolerance}, {len(sizes)} sizes x {rounds}",
+                 f"b={chosen} ({plan.num_trials} trials; peak {peaks[chosen] / peaks[largest]:.2f} of b={largest})",
+                 f"best b={best}: {top:,.0f}/s", f"{ratio:.3f}"))
+    # the split: a batch the largest micro-batch does not divide
+    total = max(2, round(1.28 * largest))
+    split = choose_split(total, largest)
+    batch = r.case.make_batch(total, r.device)
+    weights = StateSnapshot([r.model])
+    timing, peak = {}, {}
+    for label, micro in (("first", min(largest, total)), ("balanced", split.micro_batch_size)):
+        r.release()
+        engine = Engine(r.model, r.optimizer, r.engine_loss, global_batch_size=total, micro_batch_size=micro,
+                        device=r.device, amp=r.amp)
+        engine.step(batch)  # warm-up
+        if r.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(r.device)
+            engine.step(batch)
+            r.sync()
+            peak[label] = torch.cuda.max_memory_reserved(r.device)
+        else:
+            with track_peak("cpu", track=(r.model, r.optimizer, batch)) as m:
+                engine.step(batch)
+            peak[label] = m.peak_bytes
+        read = step_clock(r.device)  # the wall clock on CUDA, the thread's CPU time on a one-thread CPU
+        times = []
+        for _ in range(max(3, rounds)):
+            r.sync()
+            t0 = read()
+            engine.step(batch)
+            r.sync()
+            times.append(read() - t0)
+        timing[label] = min(times)
+        weights.restore()  # the other split starts from the same weights
+    del batch
+    weights.close()
+    r.release()
+    k = split.accum_steps
+    doc["split"] = {"total": total, "largest": largest, "balanced_micro": split.micro_batch_size, "accum": k,
+                    "seconds": timing, "peak": peak, "time_ratio": timing["balanced"] / timing["first"],
+                    "peak_ratio": peak["balanced"] / peak["first"]}
+    rows.append((r.case.name, "balanced split", f"{total} at most {largest} per micro-batch",
+                 f"{k} x ~{split.micro_batch_size}: {1e3 * timing['balanced']:.1f} ms, "
+                 f"{format_bytes(peak['balanced'])}",
+                 f"{largest} + {total - largest}: {1e3 * timing['first']:.1f} ms, {format_bytes(peak['first'])}",
+                 f"{timing['balanced'] / timing['first']:.3f}x"))
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -525,6 +600,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             guarded(rows, mdoc, name, "samples/s", lambda: check_throughput(r, found, args.steps, rows, mdoc))
             guarded(rows, mdoc, name, "OOM recovery", lambda: check_oom_recovery(
                 r, capacity, mdoc["finder"]["true_max"], args.repeats, rows, mdoc))
+        guarded(rows, mdoc, name, "speed", lambda: check_speed(r, capacity, args.target, args.speed_tolerance,
+                                                              args.sweep_rounds, 8 if args.small else 10, rows, mdoc))
         if args.compile != "none":
             guarded(rows, mdoc, name, "compiled", lambda: check_compiled(
                 r, args.compile, capacity, args.target, rows, mdoc))
@@ -560,6 +637,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="OOM-recovery repetitions (default 3; small 1)")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="torch.compile backend of the compiled checks, or none (default inductor on CUDA, none on CPU)")
+    p.add_argument("--speed-tolerance", type=float, default=0.05, help="the throughput objective's tolerance")
+    p.add_argument("--sweep-rounds", type=int, default=None, help="interleaved sweep rounds (default 5; small 1)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     cpu = torch.device(args.device).type == "cpu"
@@ -572,6 +651,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.compile = args.compile or ("none" if cpu else "inductor")
     args.steps = args.steps or (3 if args.small else 10)
     args.repeats = args.repeats or (1 if args.small else 3)
+    args.sweep_rounds = args.sweep_rounds or (1 if args.small else 5)
     if not math.isfinite(args.target) or not 0 < args.target <= 1:
         p.error("--target must be in (0, 1]")
     return args

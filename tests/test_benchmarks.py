@@ -158,7 +158,8 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         checks.setdefault(row["model"], []).append(row["check"])
     assert set(checks) == {"mlp", "resnet50", "gpt2"}
     for name, seen in checks.items():
-        assert seen == ["plan allocated"] * 3 + ["finder vs truth", "samples/s", "OOM recovery"], name
+        assert seen == ["plan allocated"] * 3 + ["finder vs truth", "samples/s", "OOM recovery", "throughput choice",
+                                                 "balanced split"], name
         m = doc["models"][name]
         assert "errors" not in m, m.get("errors")
         # on CPU the planner is byte-exact against the storage tracker
@@ -171,6 +172,41 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         rec = m["oom_recovery"]
         assert rec["repeats"][0]["ooms"] >= 1, (name, rec)  # the first micro-batch really ran out of memory
         assert rec["cost_s"] is not None
+        sp = m["speed"]  # the throughput objective's answer, swept side by side with 10 sizes up to the largest fit
+        assert sp["batch_size"] <= sp["largest_fitting"] and sp["batch_size"] in sp["sizes"]
+        assert 0 < sp["choice_over_best"] <= 1
+        assert sp["peaks"][str(sp["batch_size"])] <= sp["peaks"][str(sp["largest_fitting"])]
+        split = m["split"]
+        assert split["peak"]["balanced"] < split["peak"]["first"]  # exact tensor bytes on CPU
+
+
+@pytest.mark.timeout(900)
+def test_speed_quick_prints_the_sweep_and_the_split(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = run_script("speed.py", "--quick", "--models", "mlp,transformer", "--json", str(out))
+    for col in ("best (swept)", "choice/best s/s", "choice/largest peak", "largest first", "balanced", "time ratio"):
+        assert col in proc.stdout
+    doc = json.loads(out.read_text())
+    assert [r["model"] for r in doc["sweeps"]] == ["mlp", "transformer"]
+    for r in doc["sweeps"]:
+        sizes = [int(b) for b in r["sweep"]]
+        assert 8 <= len(sizes) <= 10 and r["choice"] in sizes and r["largest"] in sizes
+        assert r["choice"] <= r["largest"] and 0 < r["choice_over_best"] <= 1
+        assert r["peaks"][str(r["choice"])] <= r["peaks"][str(r["largest"])]  # memory is a hard limit
+    for s in doc["splits"]:
+        first, balanced = s["sizes"]["first"], s["sizes"]["balanced"]
+        assert sum(first) == sum(balanced) == s["batch"] and len(first) == len(balanced)
+        assert max(balanced) - min(balanced) <= 1 and first[0] == s["largest"]
+        assert s["peak_balanced"] < s["peak_first"]  # exact tensor bytes: the balanced split holds less
+
+
+def test_geometric_sweep_sizes():
+    import speed
+
+    assert speed.geometric_sizes(1000, 4) == [1, 10, 100, 1000]
+    sizes = speed.geometric_sizes(2841, 10)
+    assert len(sizes) == 10 and sizes[0] == 1 and sizes[-1] == 2841 and sizes == sorted(set(sizes))
+    assert speed.geometric_sizes(5, 10) == [1, 2, 3, 4, 5]
 
 
 def test_allocator_peak_reads_the_cpu_allocator():
@@ -299,7 +335,7 @@ def test_peers_container_says_why_it_cannot_run(tmp_path):
 def test_run_all_lists_the_scripts_in_order():
     proc = run_script("run_all.py", "--list", "--quick", timeout=120)
     names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]
-    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "gpu_validate", "compiled")
+    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "speed", "gpu_validate", "compiled")
                if (BENCH / f"{n}.py").exists()]
     assert names[: len(present)] == present
     assert "run_all" not in names and not any(n.startswith("_") for n in names)

@@ -233,13 +233,13 @@ def test_engine_compiles_once_across_micro_batch_changes_and_ragged_tails():
     engine = bp.Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=101, start=34,
                        config=EngineConfig(grow_after=1))
     micro, runs, start = [], [], 0
-    for n in (35, 101, 101, 101, 69):  # a short batch first: 34 + 1 at micro-batch 34
+    for n in (35, 101, 101, 101, 69):  # a short batch first: 35 at micro-batch 34
         before = len(backend.batches)
         r = engine.step((x[start:start + n], y[start:start + n]))
         start += n
         micro.append(r.micro_batch_size)
         runs.append(backend.batches[before:])
-    assert runs[0] == [33, 2]  # the tail of one moved to two
+    assert runs[0] == [18, 17]  # balanced micro-batches: no tail of one to compile a graph for
     assert len(set(micro)) >= 2, (micro, runs)  # the micro-batch grew
     assert len({b for run in runs for b in run}) >= 4, runs
     assert backend.compiles == 1, runs  # every size after the first ran the same dynamic graph

@@ -103,10 +103,14 @@ def test_a_smaller_last_micro_batch_is_described_not_forced_into_a_batch_config(
     assert eng.batch_config is None
     assert eng.describe() == "global 20 = world 2 × 10 per rank, micro-batch not chosen yet"
     r = eng.step(next(batches(model, 10, 1)))
-    # 10 per rank at a micro-batch of 4 is 4 + 4 + 2: BatchConfig (exact division) cannot say it
+    # 10 per rank at a micro-batch of 4 is 4 + 3 + 3 (balanced): BatchConfig (exact division) cannot say it
     assert (r.micro_batch_size, r.accum_steps) == (4, 3)
     assert eng.batch_config is None
-    assert eng.describe() == "global 20 = world 2 × 10 per rank, micro 4 × accum 3 (last micro-batch 2)"
+    assert eng.describe() == ("global 20 = world 2 × 10 per rank, micro 4 × accum 3 (1 of 4, 2 of 3): "
+                              "fewest micro-batches of at most 4, balanced (not timed)")
+    fixed = Engine(model, opt, CE, global_batch_size=20, micro_batch_size=4, coordinator=World(2))
+    fixed.step(next(batches(model, 10, 1)))  # a fixed micro-batch is cut as the user's loop would: 4 + 4 + 2
+    assert fixed.describe() == "global 20 = world 2 × 10 per rank, micro 4 × accum 3 (last micro-batch 2)"
 
 
 # -- checkpoints across world sizes -----------------------------------------------------------------

@@ -230,7 +230,8 @@ def test_a_caller_first_guess_is_recorded_but_not_as_a_plan():
 @pytest.mark.parametrize("name,mode", [("mlp", "train"), ("cnn", "train"), ("transformer", "train"), ("cnn", "eval")])
 def test_plan_first_verifies_the_plan_in_two_trials_with_the_same_answer(name, mode):
     model, opt, batch = setup(name)
-    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY, mode=mode)
+    # the memory objective (eval's default is throughput): the plan is about memory
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY, mode=mode, objective="memory")
     alone = find_batch_size_for(model, batch, **kw)
     before = state_of(model, opt)
     seeded = find_batch_size_for(model, batch, plan_first=True, **kw)
@@ -316,7 +317,7 @@ def test_eval_mode_runs_under_inference_mode_and_fits_more():
     kw = dict(capacity=CAPACITY, target=0.8)
     train = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), **kw)
     seen.clear()
-    evaluate = find_batch_size_for(model, batch, mode="eval", **kw)
+    evaluate = find_batch_size_for(model, batch, mode="eval", objective="memory", **kw)
     assert seen and all(inf and not training for inf, training in seen)
     assert model.training and evaluate.batch_size > 2 * train.batch_size
     x, _ = batch

@@ -32,7 +32,8 @@ from .amp import autocast
 from .batch import BatchLayout, BatchSplitter, SplitFn
 from .loss import as_loss_fn, parse_loss
 from .oom import attempt, free_memory
-from .policy import MicroBatchPolicy, PeakFit, accum_steps
+from .policy import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
+from .speed import SPEED_TOLERANCE, SplitChoice, TimeCurve, check_speed_tolerance, choose_split
 
 __all__ = [
     "BatchDoesNotFitError",
@@ -70,7 +71,13 @@ class EngineConfig:
             failed attempt (cost: one in-place copy of those buffers per step).
         restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
         find_options: extra keyword arguments for :func:`batchpilot.find.find_batch_size` when
-            ``micro_batch_size="auto"`` and no ``start`` is given.
+            ``micro_batch_size="auto"`` and no ``start`` is given (with ``split="time"`` its
+            ``timed_steps`` defaults to 3: the split is decided on those times).
+        split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
+            micro-batch that fits: ``"time"``: the fewest micro-batches, balanced, unless the
+            finder's timed trials predict more, smaller ones faster by ``split_margin``
+            (:func:`batchpilot.speed.choose_split`); ``"fewest"``: never by time.
+        split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
 
     Raises:
         ValueError: a value out of range.
@@ -85,6 +92,8 @@ class EngineConfig:
     restore_buffers: bool = True
     restore_rng: bool = True
     find_options: dict[str, Any] = field(default_factory=dict)
+    split: Literal["time", "fewest"] = "time"
+    split_margin: float = SPEED_TOLERANCE
 
     def __post_init__(self) -> None:
         _positive_int("grow_after", self.grow_after)
@@ -96,6 +105,9 @@ class EngineConfig:
             raise ValueError(f"high_water must be a fraction of capacity in (0, 1], got {self.high_water!r}")
         if self.capacity is not None:
             self.capacity = parse_bytes(self.capacity)
+        if self.split not in ("time", "fewest"):
+            raise ValueError(f"split must be 'time' or 'fewest', got {self.split!r}")
+        self.split_margin = check_speed_tolerance(self.split_margin)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +139,8 @@ class StepResult:
         grad_norm: total gradient norm before clipping, when ``grad_clip`` is set.
         compilations: graphs dynamo compiled during the step (0 once a compiled model is warm:
             its batch dimension is dynamic, see :mod:`batchpilot.compiled`).
+        micro_batch_reason: why the step ran at ``micro_batch_size`` (the initial split, an
+            OOM, memory pressure, a growth, another rank).
     """
 
     loss_tensor: torch.Tensor
@@ -144,6 +158,7 @@ class StepResult:
     next_micro_batch_size: int = 0
     grad_norm: torch.Tensor | None = None
     compilations: int = 0
+    micro_batch_reason: str = ""
 
     @property
     def loss(self) -> float:
@@ -198,6 +213,9 @@ class Engine:
         world_size: data-parallel ranks, from the coordinator (read-only).
         per_rank_batch_size: ``global_batch_size // world_size``, what :meth:`step` takes.
         micro_batch_size: the micro-batch of the next step (``None`` before the first one).
+        micro_batch_reason: why it is that size (empty before the first step).
+        split: the initial split of the per-rank batch (:class:`~batchpilot.speed.SplitChoice`),
+            ``None`` before the first step and for a fixed micro-batch.
 
     Raises:
         ValueError: a batch size that is not a positive int, a global batch that does not
@@ -278,6 +296,9 @@ class Engine:
         self.steps = 0
         self.micro_batch_size: int | None = None if not self.fixed else int(micro_batch_size)
         self.policy: MicroBatchPolicy | None = None
+        self.micro_batch_reason = "" if not self.fixed else f"fixed: micro_batch_size={micro_batch_size}"
+        self._pending_reason: str | None = None  # why the policy's next size, until the ranks agree on it
+        self.split: SplitChoice | None = None
         self.fit = PeakFit()
         self._start = start
         self._gauges: dict[tuple, Gauge] = {}
@@ -346,6 +367,7 @@ class Engine:
         try:
             while True:
                 micro = min(self.micro_batch_size, n)
+                reason = self.micro_batch_reason
                 if measured:
                     probe.reset()
                     start_bytes = probe.current()
@@ -396,6 +418,7 @@ class Engine:
             next_micro_batch_size=self.micro_batch_size,
             grad_norm=grad_norm,
             compilations=compiles.count,
+            micro_batch_reason=reason,
         )
 
     @property
@@ -436,20 +459,28 @@ class Engine:
         return BatchConfig(global_batch_size=self._global, micro_batch_size=micro, world_size=self._world)
 
     def describe(self) -> str:
-        """One line for logs, e.g. ``global 256 = micro 32 × world 2 × accum 4``.
+        """One line for logs, e.g. ``global 256 = micro 32 × world 2 × accum 4: <why that micro-batch>``.
 
-        With a smaller last micro-batch: ``global 250 = world 2 × 125 per rank, micro 32 × accum 4
-        (last micro-batch 29)``; before the first step the micro-batch reads ``not chosen yet``.
+        When the micro-batch does not divide the per-rank batch: ``global 250 = world 2 × 125 per
+        rank, micro 32 × accum 4 (1 of 32, 3 of 31)`` (balanced, ``"auto"``) or ``... (last
+        micro-batch 29)`` (a fixed micro-batch); before the first step the micro-batch reads
+        ``not chosen yet``. With ``"auto"`` the reason (:attr:`micro_batch_reason`) follows a colon.
         """
+        why = f": {self.micro_batch_reason}" if self.micro_batch_reason and not self.fixed else ""
         config = self.batch_config
         if config is not None:
-            return config.describe()
+            return config.describe() + why
         head = f"global {self._global} = world {self._world} × {self._per_rank} per rank"
         micro = self.micro_batch_size
         if micro is None:
             return f"{head}, micro-batch not chosen yet"
-        last = self._per_rank - (accum_steps(self._per_rank, micro) - 1) * micro
-        return f"{head}, micro {micro} × accum {self.accum_steps} (last micro-batch {last})"
+        k = accum_steps(self._per_rank, micro)
+        if self.fixed:
+            sizes = f"last micro-batch {self._per_rank - (k - 1) * micro}"
+        else:
+            q, r = divmod(self._per_rank, k)
+            sizes = f"{r} of {q + 1}, {k - r} of {q}"
+        return f"{head}, micro {micro} × accum {k} ({sizes}){why}"
 
     def state_dict(self) -> dict[str, Any]:
         """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
@@ -508,6 +539,7 @@ class Engine:
         if state.get("policy") is not None:
             self.policy.load_state_dict(state["policy"])
         self.micro_batch_size = self.policy.micro
+        self.micro_batch_reason = f"resumed from a checkpoint at micro-batch {self.micro_batch_size}"
 
     # ------------------------------------------------------------------ setup
     def _initialise(self, split: BatchSplitter) -> None:
@@ -516,11 +548,36 @@ class Engine:
             start = self._find_start(split)
         elif self.plan is not None:
             self._adopt_fit(self.plan)
-        self._make_policy(min(start, self._per_rank))
+        self._choose_split(min(start, self._per_rank))
         self.micro_batch_size = self.coordinator.agree_micro_batch(self.policy.micro)
+        if self.micro_batch_size < self.policy.micro:
+            self.micro_batch_reason = f"agreed with the other ranks (a smaller rank proposed {self.micro_batch_size})"
         self.policy.adopt(self.micro_batch_size)
         self.micro_batch_size = self.policy.micro
         logger.info("%s", self.describe())
+
+    def _choose_split(self, largest: int) -> None:
+        """The initial micro-batch: :func:`~batchpilot.speed.choose_split` under ``largest``, timed by the plan."""
+        plan = self.plan
+        if plan is not None:
+            # a throughput plan answers a smaller batch; the engine splits a fixed batch, so the
+            # memory bound is what fits, and the split is chosen by time below. A memory plan's
+            # answer is the bound (after a distributed search, the smallest rank's)
+            bound = plan.largest_fitting if plan.objective == "throughput" and plan.largest_fitting else plan.batch_size
+            largest = max(1, min(int(bound), self._per_rank))
+        curve = None
+        if plan is not None and self.config.split == "time":
+            try:
+                curve = TimeCurve(plan.timed_points())
+            except ValueError:  # fewer than two timed sizes: nothing to compare
+                curve = None
+        self.split = choose_split(self._per_rank, largest, step_time=curve, margin=self.config.split_margin,
+                                  smallest=curve.smallest if curve is not None else 1)
+        fewest = accum_steps(self._per_rank, largest)
+        # a split chosen for speed caps growth there: growing back would undo it
+        ceiling = self.split.micro_batch_size if self.split.accum_steps > fewest else None
+        self._make_policy(self.split.micro_batch_size, ceiling=ceiling)
+        self.micro_batch_reason = self.split.reason
 
     def _share(self) -> str:
         """The per-rank batch in words, for error messages."""
@@ -541,11 +598,11 @@ class Engine:
             "global_batch_size"
         )
 
-    def _make_policy(self, micro: int) -> None:
+    def _make_policy(self, micro: int, ceiling: int | None = None) -> None:
         cfg = self.config
         self.policy = MicroBatchPolicy(
             limit=self._per_rank, micro=micro, grow_after=cfg.grow_after,
-            backoff=cfg.backoff, max_wait=cfg.max_wait,
+            backoff=cfg.backoff, max_wait=cfg.max_wait, ceiling=ceiling,
         )
 
     def _find_start(self, split: BatchSplitter) -> int:
@@ -570,6 +627,8 @@ class Engine:
 
         options = dict(self.config.find_options)
         options.setdefault("target", self.target)
+        if self.config.split == "time":
+            options.setdefault("timed_steps", 3)  # the split is decided on these times: the fastest of three
         if self.config.capacity is not None:
             options.setdefault("capacity", self.config.capacity)
         options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
@@ -610,7 +669,9 @@ class Engine:
             model = self.model
         ddp = self._ddp and model is self.model
         n = split.size
-        sizes = split_sizes(n, micro)
+        # "auto": balanced micro-batches (10 at 4 is 4 + 3 + 3, the same passes and peak as
+        # 4 + 4 + 2, no ragged tail); a fixed micro-batch is cut as the user's own loop would
+        sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
         if self._compiled:
             sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
         last = len(sizes) - 1
@@ -775,6 +836,7 @@ class Engine:
             )
         policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
         self.micro_batch_size = policy.micro
+        self.micro_batch_reason = f"shrunk after an out-of-memory error at micro-batch {micro}"
         logger.warning(
             "out of memory at micro-batch %d; retrying the same %d samples at micro-batch %d",
             micro, self._per_rank, self.micro_batch_size,
@@ -800,8 +862,15 @@ class Engine:
         if anyone:
             self.policy = saved
             return True, False
+        proposed, pending = policy.micro, self._pending_reason
+        self._pending_reason = None
         policy.adopt(agreed)
-        self.micro_batch_size = policy.micro
+        if policy.micro != self.micro_batch_size:
+            if policy.micro < proposed:
+                self.micro_batch_reason = f"agreed with the other ranks (a smaller rank proposed {policy.micro})"
+            elif pending is not None:
+                self.micro_batch_reason = pending
+            self.micro_batch_size = policy.micro
         return False, pressure
 
     def _adapt(self, micro: int, peak: int, start_bytes: int, measured: bool, ooms: int) -> bool:
@@ -826,6 +895,8 @@ class Engine:
                     before = policy.micro
                     policy.on_clean(max_fitting)
                     if policy.micro > before:
+                        self._pending_reason = (f"grown from {before} after {self.config.grow_after} clean steps: "
+                                                "the memory fit has room for fewer micro-batches")
                         predicted = self.fit.predict(policy.micro, start_bytes) or 0
                         logger.info("growing the micro-batch %d -> %d (predicted peak %s of %s)",
                                     before, policy.micro, format_bytes(predicted), format_bytes(capacity))
@@ -851,7 +922,12 @@ class Engine:
                 )
             return
         self._futile_warned = False
+        before = policy.micro
         policy.on_pressure(max_fitting)
+        if policy.micro != before:
+            self._pending_reason = (f"shrunk from {before}: memory pressure ("
+                                       + ("CUDA allocator retries" if thrashing else "peak over the high-water mark")
+                                       + ")")
         logger.warning(
             "memory pressure at micro-batch %d (peak %s of %s%s); next micro-batch %d",
             micro, format_bytes(peak), format_bytes(capacity),

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ._checks import positive_int
+from ._checks import check_int, positive_int
 from .amp import amp_dtype as _amp_dtype
 from .amp import autocast
 from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
@@ -51,6 +51,11 @@ from .search import (
     run_search,
 )
 from .snapshot import StateSnapshot
+from .speed import (
+    SPEED_TOLERANCE, TimeFit, check_objective, check_speed_tolerance, choose_fastest, fit_time, search_throughput,
+    timed_fits,
+)
+from .timing import outside_trackers, step_clock, timed
 
 __all__ = [
     "BatchSizeError",
@@ -67,6 +72,11 @@ logger = logging.getLogger(__name__)
 
 # devices whose capacity memory.emulate_capacity can enforce
 _EMULATED = ("cpu", "cuda")
+#: find_batch_size_for's objective by mode (README: "Fastest, not largest")
+_DEFAULT_OBJECTIVE = {"train": "memory", "eval": "throughput"}
+#: timed steps per fitting trial by objective: one to report samples/s, three (the fastest
+#: counts) where the answer depends on them
+_TIMED_STEPS = {"memory": 1, "throughput": 3}
 
 
 @dataclass(kw_only=True)
@@ -89,6 +99,9 @@ class FinderConfig:
     progress: bool = False
     tolerance: float | None = None
     snapshot: Literal["auto", "memory", "disk"] = "auto"
+    objective: Literal["memory", "throughput"] = "memory"
+    speed_tolerance: float = SPEED_TOLERANCE
+    timed_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
@@ -122,6 +135,15 @@ class FinderConfig:
             raise BatchSizeError(f"tolerance must be a fraction in [0, 0.5) or None (auto), got {self.tolerance!r}")
         if self.snapshot not in ("auto", "memory", "disk"):
             raise BatchSizeError(f"snapshot must be 'auto', 'memory' or 'disk', got {self.snapshot!r}")
+        check_objective(self.objective, error=BatchSizeError)
+        self.speed_tolerance = check_speed_tolerance(self.speed_tolerance, error=BatchSizeError)
+        if self.timed_steps is None:
+            self.timed_steps = _TIMED_STEPS[self.objective]
+        elif self.objective == "throughput":
+            positive_int("timed_steps", self.timed_steps, " (the throughput objective needs timed steps)",
+                         error=BatchSizeError)
+        else:
+            check_int("timed_steps", self.timed_steps, minimum=0, error=BatchSizeError)
 
 
 @dataclass(kw_only=True)
@@ -140,7 +162,9 @@ class BatchPlan:
     """The result of a batch-size search.
 
     Attributes:
-        batch_size: the largest batch size found to fit.
+        batch_size: the answer: with ``objective="memory"`` the largest batch size found to fit,
+            with ``"throughput"`` the smallest fitting one within ``speed_tolerance`` of the
+            fastest measured samples/s (``reason`` says which and why).
         target: the fraction of ``capacity`` the peak may use.
         capacity: device capacity in bytes (emulated or real).
         limit_bytes: ``int(target × capacity)``; a fitting peak is at most this.
@@ -177,6 +201,12 @@ class BatchPlan:
             set, a GPU's); ``False`` for a compiled model under an emulated CPU capacity, whose
             tracker sees the eager program (:mod:`batchpilot.compiled`).
         compilations: graphs dynamo compiled during the search, warm-up included (any model).
+        objective: ``"memory"`` or ``"throughput"``.
+        speed_tolerance: the share of the best samples/s the throughput objective may give up.
+        largest_fitting: the largest batch size found to fit (``batch_size`` for ``"memory"``).
+        time_fit: ``seconds per step ≈ fixed + per_sample × b`` through the timed trials that
+            fitted, or ``None`` with fewer than two.
+        reason: one line on why ``batch_size`` was chosen.
     """
 
     batch_size: int
@@ -203,10 +233,25 @@ class BatchPlan:
     compiled: bool = False
     compiled_trials: bool = False
     compilations: int = 0
+    objective: str = "memory"
+    speed_tolerance: float = SPEED_TOLERANCE
+    largest_fitting: int | None = None
+    time_fit: TimeFit | None = None
+    reason: str = ""
 
     @property
     def num_trials(self) -> int:
         return len(self.trials)
+
+    @property
+    def samples_per_second(self) -> float | None:
+        """Measured samples/s at ``batch_size`` (its fastest timed step), or ``None`` if not timed."""
+        timed_fits = [t for t in self.trials if t.batch_size == self.batch_size and t.fits and t.step_seconds]
+        return timed_fits[-1].samples_per_second if timed_fits else None
+
+    def timed_points(self) -> dict[int, float]:
+        """``{batch size: seconds per step}`` of the timed trials that fitted."""
+        return timed_fits(self.trials)
 
     @property
     def num_ooms(self) -> int:
@@ -215,6 +260,7 @@ class BatchPlan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (ints, floats, strings, lists, dicts, None)."""
         out = asdict(self)
+        out["trials"] = [t.to_dict() for t in self.trials]
         out["num_trials"] = self.num_trials
         out["num_ooms"] = self.num_ooms
         return out
@@ -247,8 +293,11 @@ def find_batch_size(
     progress: bool = False,
     tolerance: float | None = None,
     snapshot: Literal["auto", "memory", "disk"] = "auto",
+    objective: Literal["memory", "throughput"] = "memory",
+    speed_tolerance: float = SPEED_TOLERANCE,
+    timed_steps: int | None = None,
 ) -> BatchPlan:
-    """Find the largest batch size whose step peaks at or under ``target × capacity``.
+    """Find the largest batch size whose step peaks at or under ``target × capacity`` (or the fastest one).
 
     Each trial calls ``step(batch_size)`` ``steps_per_trial`` times and measures the peak of
     the memory that fails on the device (:mod:`batchpilot.gauge`); a peak over the limit
@@ -265,6 +314,15 @@ def find_batch_size(
     the card's total. On a real CPU no trial is run whose predicted peak is over a limit that
     kills (a container's): it is recorded as ``"refused"``. An OOM lowers the capacity to
     what the failure proves, so the next trial lands under it.
+
+    Speed: every trial that fits also times ``timed_steps`` steps after the warm-up step (the
+    device synchronised around each, the fastest counts; on CPU with the storage tracker set
+    aside, which slows every operator, and with one intra-op thread by the thread's CPU time,
+    which other processes cannot stretch: :mod:`batchpilot.timing`), and ``plan.time_fit``
+    fits ``T(b) = fixed + per_sample × b`` to them. ``objective="throughput"`` then times a
+    few smaller sizes (:class:`~batchpilot.speed.ThroughputSearch`), times the sizes the choice
+    rests on again side by side, and answers the smallest fitting batch whose samples/s is
+    within ``speed_tolerance`` of the fastest measured; memory stays a hard limit.
 
     Args:
         step: runs one full step (forward, backward, optimizer step) at a batch size.
@@ -291,6 +349,11 @@ def find_batch_size(
         snapshot: where the ``restore`` copies live: ``"memory"``, ``"disk"`` (a temporary
             file, so they do not compete with the job's memory), or ``"auto"``: disk on a
             real CPU when they are 5% of the memory the job can still grow into, or more.
+        objective: ``"memory"``: the largest batch that fits; ``"throughput"``: the smallest
+            fitting batch within ``speed_tolerance`` of the best measured samples/s.
+        speed_tolerance: the share of the best samples/s ``"throughput"`` may give up, in [0, 0.5).
+        timed_steps: steps timed per fitting trial after the memory steps' warm-up; ``None``:
+            1 for ``"memory"`` (0 times nothing), 3 for ``"throughput"``.
 
     Returns:
         A :class:`BatchPlan`.
@@ -305,7 +368,8 @@ def find_batch_size(
     cfg = FinderConfig(
         target=target, capacity=capacity, strategy=strategy, min_batch_size=min_batch_size,
         max_batch_size=max_batch_size, steps_per_trial=steps_per_trial, first_guess=first_guess,
-        max_trials=max_trials, progress=progress, tolerance=tolerance, snapshot=snapshot,
+        max_trials=max_trials, progress=progress, tolerance=tolerance, snapshot=snapshot, objective=objective,
+        speed_tolerance=speed_tolerance, timed_steps=timed_steps,
     )
     dev = resolve_device(device)
     targets = [o for o in restore if o is not None]
@@ -347,7 +411,7 @@ def find_batch_size(
             )
             bar = _progress_bar(cfg.progress, policy.name)
             trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap,
-                                    breakdown=not run_compiled)
+                                    breakdown=not run_compiled, timed_steps=cfg.timed_steps)
 
             def report(t: Trial) -> None:
                 _log_trial(t, len(trial_fn.done), trial_fn.space)
@@ -365,6 +429,10 @@ def find_batch_size(
             if result.batch_size is None and result.stop_reason == "nothing_fits" and floor > cfg.min_batch_size:
                 result = _below_floor(result, policy, space, cfg.min_batch_size, trial_fn, report, revise)
                 space = result.space or space
+            if cfg.objective == "throughput" and result.batch_size is not None:
+                search_throughput(result.trials, trial_fn, lowest=cfg.min_batch_size, highest=result.batch_size,
+                                  tolerance=cfg.speed_tolerance, max_trials=cfg.max_trials, on_trial=report,
+                                  retime=trial_fn.retime)
     finally:
         if bar is not None:
             bar.close()
@@ -375,8 +443,9 @@ def find_batch_size(
         raise _nothing_fits(result.trials, space, dev, result.stop_reason)
     line = fit_line(result.trials, space.limit_bytes)
     tensor_line = _tensor_line(result.trials) if gauge.host else None
+    answer, reason = _answer(result.trials, result.batch_size, result.stop_reason, cfg)
     plan = BatchPlan(
-        batch_size=result.batch_size, target=float(cfg.target), capacity=int(space.capacity_bytes),
+        batch_size=answer, target=float(cfg.target), capacity=int(space.capacity_bytes),
         limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=result.trials,
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
         seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
@@ -384,12 +453,14 @@ def find_batch_size(
         tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.host else None,
         snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
         compiled=compiled, compiled_trials=run_compiled, compilations=compiles.count,
+        objective=cfg.objective, speed_tolerance=cfg.speed_tolerance, largest_fitting=result.batch_size,
+        time_fit=fit_time(timed_fits(result.trials)), reason=reason,
     )
     if result.stop_reason == "max_trials":
         logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
                        plan.num_trials, plan.batch_size)
-    logger.info("batch size %d (%s) after %d trials, %d OOM, %.2fs%s",
-                plan.batch_size, plan.stop_reason, plan.num_trials, plan.num_ooms, plan.seconds,
+    logger.info("batch size %d (%s; %s) after %d trials, %d OOM, %.2fs%s",
+                plan.batch_size, plan.stop_reason, plan.reason, plan.num_trials, plan.num_ooms, plan.seconds,
                 f", {plan.compilations} graph(s) compiled" if compiled else "")
     return plan
 
@@ -403,6 +474,22 @@ def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace,
     return SearchResult(batch_size=again.batch_size, trials=[*result.trials, *again.trials],
                         stop_reason="boundary" if again.batch_size is not None else again.stop_reason,
                         space=again.space or low)
+
+
+# -- speed: the hook of batchpilot.speed into the search -------------------------------------------
+
+
+def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: FinderConfig) -> tuple[int | None, str]:
+    """The batch size the objective picks among the trials, and why."""
+    if largest is None:
+        return None, ""
+    memory = f"the largest that fits ({stop_reason})"
+    if cfg.objective == "memory":
+        return largest, memory
+    choice = choose_fastest(timed_fits(trials, upto=largest), cfg.speed_tolerance)
+    if choice is None:  # e.g. no step could be timed without a tracker in the way
+        return largest, f"{memory}: no trial was timed"
+    return choice.batch_size, choice.reason
 
 
 #: predict's relative tolerance on real memory (see ``tolerance``)
@@ -486,13 +573,16 @@ class _TrialRunner:
     """Runs one trial: the steps under the gauge (and a tracker for the breakdown), OOM recovery, the restore."""
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
-                 steps: int, targets: list[Any], snapshot: StateSnapshot, breakdown: bool = True) -> None:
+                 steps: int, targets: list[Any], snapshot: StateSnapshot, breakdown: bool = True, *,
+                 timed_steps: int = 0) -> None:
         self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
         # no breakdown tracker for a compiled step: under it the step would run eagerly
         self.breakdown = breakdown
         self.targets, self.snapshot = targets, snapshot
+        self.timed_steps = timed_steps
         self.space: SearchSpace | None = None
         self.done: list[Trial] = []
+        self._untimed_warned = False
 
     def __call__(self, batch_size: int) -> Trial:
         refused = self._refuse(batch_size)
@@ -501,21 +591,33 @@ class _TrialRunner:
             return refused
         holder: list[Any] = []
         real = self.gauge.host
+        # on CPU a storage tracker counts every operator from Python during the memory steps:
+        # their times say nothing about the step, so the timed steps come after, without it
+        tracked = self.device.type == "cpu" and self.breakdown
+        times: list[float] = []
+        read = step_clock(self.device)
+
+        def one_step() -> None:
+            self.step(batch_size)
 
         def run() -> None:
             # on a real CPU a tracker runs alongside for the breakdown (tensor bytes vs the rest)
-            with track_peak(self.device, track=self.targets) if self.device.type == "cpu" and self.breakdown \
-                    else contextlib.nullcontext() as m:
+            with track_peak(self.device, track=self.targets) if tracked else contextlib.nullcontext() as m:
                 holder.append(m)
                 for i in range(self.steps):
                     if i == self.steps - 1:
                         holder.append(self._steady_bytes())
-                    self.step(batch_size)
+                    if i == 0 or tracked:  # the first step warms up (kernels, optimizer state)
+                        one_step()
+                    else:
+                        times.append(timed(one_step, self.gauge.synchronize, read))
+            self._time_steps(times, one_step, tracked, read)
 
         if real:
             # the last trial's garbage back to the OS: the resident peak then starts clean
             free_memory(self.device, generation=1)
         began = time.perf_counter()
+        retries = self.gauge.alloc_retries()
         self.gauge.reset()
         # real memory keeps part of a step's memory resident (allocator caches) into the next,
         # so what is in use before the first step is the floor; the tracker's is exact per step
@@ -552,11 +654,56 @@ class _TrialRunner:
             kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
             bound = None
             peak_bytes = peak
+        after = self.gauge.alloc_retries()
         trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=int(peak_bytes), start_bytes=start,
                       seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
-                      bound_bytes=bound)
+                      bound_bytes=bound, step_seconds=min(times) if kind == FIT and times else None,
+                      alloc_retries=None if retries is None or after is None else after - retries)
         self.done.append(trial)
         return trial
+
+    def retime(self, batch_size: int) -> float | None:
+        """A warm-up step and ``timed_steps`` timed ones at a size that fitted; the fastest, or ``None``.
+
+        For comparing sizes side by side (the throughput objective); memory is not measured
+        again. The state is put back after, as after a trial.
+        """
+        tracked = self.device.type == "cpu"
+        read = step_clock(self.device)
+        times: list[float] = []
+
+        def one_step() -> None:
+            self.step(batch_size)
+
+        def run() -> None:
+            with outside_trackers() if tracked else contextlib.nullcontext(True) as clear:
+                if clear:
+                    one_step()
+                    times.extend(timed(one_step, self.gauge.synchronize, read) for _ in range(self.timed_steps))
+
+        outcome = attempt(run, device=self.device, on_oom=self.snapshot.restore)
+        if not outcome.oom:
+            self.snapshot.restore()
+        return None if outcome.oom or not times else min(times)
+
+    def _time_steps(self, times: list[float], one_step: Callable[[], None], tracked: bool,
+                    read: Callable[[], float]) -> None:
+        """Time steps until ``timed_steps`` are, if the memory steps fitted (an over-target size is never chosen)."""
+        missing = self.timed_steps - len(times)
+        if missing <= 0:
+            return
+        self.gauge.synchronize()
+        if self.gauge.peak() > self.space.limit_bytes:
+            return
+        with outside_trackers() if tracked else contextlib.nullcontext(True) as clear:
+            if not clear:
+                if not self._untimed_warned:
+                    self._untimed_warned = True
+                    logger.warning("trials are not timed: a dispatch mode other than batchpilot's tracker is "
+                                   "running, and timing under it would measure the mode, not the step")
+                return
+            for _ in range(missing):
+                times.append(timed(one_step, self.gauge.synchronize, read))
 
     def _refuse(self, batch_size: int) -> Trial | None:
         """A trial predicted over a limit past which the process is killed is not run."""
@@ -648,6 +795,7 @@ def find_batch_size_for(
     plan_first: bool = False,
     shared: str | Iterable[str] | None = None,
     split_fn: SplitFn | None = None,
+    objective: Literal["memory", "throughput"] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
     amp_dtype: torch.dtype | None = None,
     **options: Any,
@@ -680,6 +828,10 @@ def find_batch_size_for(
         shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.batch`).
         split_fn: ``split_fn(batch, start, stop)`` cutting the example batch yourself; the
             search then stays within the example's size.
+        objective: ``"memory"`` (the largest batch that fits) or ``"throughput"`` (the smallest
+            about as fast, see :func:`find_batch_size`); ``None``: ``"throughput"`` for
+            ``mode="eval"``, where the batch is only a speed knob, ``"memory"`` for training,
+            where it is a hyperparameter that should not move with the machine's load.
         forward: deprecated: pass the same function as ``loss_fn``.
         amp_dtype: deprecated spelling of ``amp``.
         **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
@@ -692,6 +844,8 @@ def find_batch_size_for(
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    options["objective"] = check_objective(objective if objective is not None else _DEFAULT_OBJECTIVE[mode],
+                                           error=BatchSizeError)
     if amp_dtype is not None:
         warnings.warn("find_batch_size_for(amp_dtype=) is deprecated; pass amp='bf16' / 'fp16'",
                       DeprecationWarning, stacklevel=2)

@@ -53,6 +53,10 @@ class Gauge:
     def synchronize(self) -> None:
         get_probe(self.device).synchronize()
 
+    def alloc_retries(self) -> int | None:
+        """How often the allocator has freed its cache and retried an allocation; ``None`` if it does not say."""
+        return None
+
     def close(self) -> None:
         """Release what the gauge holds between uses (nothing, for most)."""
 
@@ -152,6 +156,10 @@ class DeviceGauge(Gauge):
         self.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.outside = self._outside_now()
+
+    def alloc_retries(self) -> int | None:
+        # cudaMalloc failed, the caching allocator freed its cache and retried: thrashing below an OOM
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
 
 class AllocatorGauge(Gauge):

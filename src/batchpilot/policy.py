@@ -14,7 +14,7 @@ from typing import Any
 
 from ._checks import positive_int
 
-__all__ = ["accum_steps", "efficient_size", "MicroBatchPolicy", "PeakFit"]
+__all__ = ["accum_steps", "balanced_sizes", "efficient_size", "MicroBatchPolicy", "PeakFit"]
 
 # "any size": the policy caps it at the global batch
 _UNBOUNDED = 2**62
@@ -35,6 +35,21 @@ def efficient_size(total: int, micro: int) -> int:
     return -(-total // accum_steps(total, micro))
 
 
+def balanced_sizes(total: int, parts: int) -> list[int]:
+    """``total`` samples in ``parts`` micro-batches whose sizes differ by at most one, larger first.
+
+    ``balanced_sizes(10, 3) == [4, 3, 3]`` (not 4, 4, 2: the same peak and passes, no ragged
+    tail); ``balanced_sizes(256, 2) == [128, 128]``.
+
+    Raises:
+        ValueError: ``parts`` is not in ``[1, total]``.
+    """
+    if not 1 <= parts <= total:
+        raise ValueError(f"{total} samples cannot be split into {parts} micro-batches")
+    q, r = divmod(total, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
 class MicroBatchPolicy:
     """Shrink on OOM, grow back after a run of clean steps: ``GradScaler``'s rule for the micro-batch.
 
@@ -53,6 +68,8 @@ class MicroBatchPolicy:
       one fits (the model can spare micro-batches, never cause more OOMs than halving); rounded
       to an efficient size. At size 1 there is nothing left to shrink: it returns ``None``.
     * :meth:`on_pressure`: the same as an OOM, without failing at size 1.
+    * ``ceiling``: growth never goes past it (the engine sets it when measured step times say
+      smaller micro-batches are faster, :func:`batchpilot.speed.choose_split`).
 
     Example, ``limit=64, micro=64, grow_after=2, backoff=2``, memory model unknown after an OOM
     at 64, then reporting that 64 fits::
@@ -70,7 +87,8 @@ class MicroBatchPolicy:
     """
 
     def __init__(
-        self, *, limit: int, micro: int, grow_after: int = 50, backoff: float = 2.0, max_wait: int | None = None
+        self, *, limit: int, micro: int, grow_after: int = 50, backoff: float = 2.0, max_wait: int | None = None,
+        ceiling: int | None = None,
     ) -> None:
         for name, value in (("limit", limit), ("micro", micro), ("grow_after", grow_after)):
             positive_int(name, value)
@@ -80,7 +98,10 @@ class MicroBatchPolicy:
             raise ValueError(f"backoff must be >= 1 (the factor the growth wait grows by), got {backoff}")
         if max_wait is not None:
             positive_int("max_wait", max_wait)
+        if ceiling is not None:
+            positive_int("ceiling", ceiling)
         self.limit = limit
+        self.ceiling = ceiling
         self.micro = efficient_size(limit, micro)
         self.grow_after = grow_after
         self.backoff = backoff
@@ -102,7 +123,7 @@ class MicroBatchPolicy:
         """The size growth would pick now, or ``None`` if it would not save a micro-batch."""
         if max_fitting is None or self.micro >= self.limit:
             return None
-        size = efficient_size(self.limit, min(max_fitting, self.limit))
+        size = efficient_size(self.limit, min(max_fitting, self.limit, self.ceiling or self.limit))
         return size if accum_steps(self.limit, size) < self.accum_steps else None
 
     def on_clean(self, max_fitting: int | None = None) -> int:
@@ -161,15 +182,18 @@ class MicroBatchPolicy:
         return {
             "limit": self.limit, "micro": self.micro, "grow_after": self.grow_after, "backoff": self.backoff,
             "max_wait": self.max_wait, "wait": self.wait, "clean": self.clean, "previous": self.previous,
+            "ceiling": self.ceiling,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters; the configuration (``grow_after``, ``backoff``...) stays as built.
+        """Restore the counters (and a speed ``ceiling``); the configuration (``grow_after``...) stays as built.
 
         A state saved with a different ``limit`` (another global batch or world size) keeps its
         micro-batch, clamped to the new limit, and starts the growth counters afresh.
         """
         micro = int(state["micro"])
+        if state.get("ceiling") is not None and int(state["limit"]) == self.limit:
+            self.ceiling = int(state["ceiling"])  # measured on this batch: keep it
         if int(state["limit"]) != self.limit:
             self.micro = efficient_size(self.limit, micro)
             self.wait, self.clean, self.previous = self.grow_after, 0, None
@@ -182,7 +206,7 @@ class MicroBatchPolicy:
     def __repr__(self) -> str:
         return (
             f"MicroBatchPolicy(micro={self.micro}, limit={self.limit}, clean={self.clean}, "
-            f"wait={self.wait}, probation={self.on_probation})"
+            f"wait={self.wait}, probation={self.on_probation}, ceiling={self.ceiling})"
         )
 
 

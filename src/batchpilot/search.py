@@ -99,6 +99,12 @@ class Trial:
             scratch and everything outside PyTorch. ``None`` otherwise.
         bound_bytes: for an OOM whose allocator said how much it asked for, the peak reached
             plus that request: the step needed at least this, and the real capacity is below it.
+        step_seconds: the fastest of the trial's timed steps (device synchronised, the warm-up
+            step left out), for a trial that fitted; ``None`` when none was timed. A size the
+            throughput objective's choice rests on is visited again, side by side with the
+            others, and keeps the median of its visits' fastest steps.
+        alloc_retries: CUDA allocator retries during the trial (cudaMalloc failed, the cache was
+            freed and the allocation retried: thrashing just below an OOM); ``None`` elsewhere.
     """
 
     batch_size: int
@@ -109,6 +115,8 @@ class Trial:
     message: str | None = None
     tensor_bytes: int | None = None
     bound_bytes: int | None = None
+    step_seconds: float | None = None
+    alloc_retries: int | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in _OUTCOMES:
@@ -125,8 +133,13 @@ class Trial:
         """True when ``peak_bytes`` is the full peak (the trial ran to the end)."""
         return self.outcome in (FIT, OVER_TARGET)
 
+    @property
+    def samples_per_second(self) -> float | None:
+        """``batch_size / step_seconds``, or ``None`` when the trial was not timed."""
+        return self.batch_size / self.step_seconds if self.step_seconds else None
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "samples_per_second": self.samples_per_second}
 
 
 @dataclass(frozen=True, kw_only=True)

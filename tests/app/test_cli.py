@@ -138,6 +138,29 @@ def test_find_compile_sizes_the_compiled_model_on_real_memory(cli):
     assert "compiled model: trials ran eagerly" in out
 
 
+def test_find_throughput_objective_json_and_plot(cli, tmp_path):
+    png = tmp_path / "find.png"
+    status, out, err = cli("find", "--model", "mlp", "--input-shape", "64", "--capacity", "4MiB", "--json",
+                           "--no-progress", "--objective", "throughput", "--plot", str(png))
+    assert status == 0, err
+    doc = json.loads(out)
+    assert set(doc) == report.SCHEMAS["find"] and doc["objective"] == "throughput"
+    assert doc["speed_tolerance"] == 0.05 and set(doc["time_fit"]) == report.SCHEMAS["time_fit"]
+    fits = [t for t in doc["trials"] if t["outcome"] == "fit"]
+    # memory stays a hard limit: the answer is a trial that fitted, at most the largest that did
+    assert doc["largest_fitting"] == max(t["batch_size"] for t in fits)
+    assert doc["batch_size"] in [t["batch_size"] for t in fits] and doc["batch_size"] <= doc["largest_fitting"]
+    assert all(t["samples_per_second"] > 0 and t["step_seconds"] > 0 for t in fits)
+    assert all(t["samples_per_second"] is None for t in doc["trials"] if t["outcome"] != "fit")
+    chosen = max(t["samples_per_second"] for t in fits if t["batch_size"] == doc["batch_size"])
+    assert doc["samples_per_second"] == chosen >= 0.95 * max(t["samples_per_second"] for t in fits)
+    assert doc["reason"] and png_size(png) == report.FIGURE_SIZE_PX
+    status, out, err = cli("find", "--model", "mlp", "--input-shape", "64", "--capacity", "4MiB", "--no-progress",
+                           "--objective", "throughput")
+    assert status == 0, err
+    assert "largest that fits:" in out and "time fit:" in out and "samples/s" in out
+
+
 def test_find_prints_a_table_of_the_trials(cli):
     status, out, err = cli("find", "--model", "mlp", "--input-shape", "32", "--capacity", "3MiB",
                            "--strategy", "power", "--no-progress")
@@ -225,6 +248,7 @@ def test_bad_arguments_exit_2_without_traceback():
     (("train", "--capacity", "2MiB", "--squeeze-capacity", "3MiB"), "below"),
     (("train", "--grad-accum-steps", "300"), "grad-accum-steps"),
     (("find", "--compile", "inductr", "--capacity", "1MiB"), "no such torch.compile backend"),
+    (("find", "--capacity", "1MiB", "--objective", "throughput", "--timed-steps", "0"), "--timed-steps 0"),
 ])
 def test_user_errors_exit_2(cli, argv, needle):
     status, out, err = cli(*argv)
@@ -287,6 +311,12 @@ def test_train_default_run_learns_and_adapts(tmp_path):
     assert log["steps"][-1]["micro_batch_size"] > min(sizes)
     # no step ever used more than its capacity
     assert all(s["peak_bytes"] <= s["capacity_bytes"] for s in log["steps"])
+    # why each micro-batch: the first split, then every change
+    assert set(log["split"]) == report.SCHEMAS["split"]
+    assert log["split"]["micro_batch_size"] == first["micro_batch_size"]
+    assert first["micro_batch_reason"] == log["split"]["reason"]
+    assert all(set(c) == report.SCHEMAS["micro_batch_change"] and c["reason"] for c in log["micro_batch_changes"])
+    assert any(c["reason"].startswith("shrunk after an out-of-memory error") for c in log["micro_batch_changes"])
 
     png = out_dir / "run.png"
     assert png.stat().st_size > 10_000
@@ -508,6 +538,9 @@ def test_module_function_is_found_in_the_current_directory(cli, tmp_path, monkey
     (("fnd",), "invalid choice: 'fnd'"),
     (("find", "--capcity", "2GiB"), "unrecognized arguments: --capcity"),
     (("plan", "--gpu", "H100-80GB", "--capacity", "1GiB"), "not allowed with"),
+    (("find", "--capacity", "1MiB", "--objective", "fastest"), "invalid choice: 'fastest'"),
+    (("find", "--capacity", "1MiB", "--speed-tolerance", "5%"), "expected a number"),
+    (("find", "--capacity", "1MiB", "--speed-tolerance", "0.7"), "must be in [0, 0.5)"),
 ])
 def test_typos_are_argparse_usage_errors(cli, argv, needle):
     status, out, err = cli(*argv)

@@ -18,6 +18,7 @@ from batchpilot.app import report
 from batchpilot.app.datasets import load_digits
 from batchpilot.find import BatchPlan, MemoryFit
 from batchpilot.search import Trial
+from batchpilot.speed import TimeFit
 from batchpilot.app.trainjob import TrainConfig
 
 
@@ -115,6 +116,11 @@ def test_format_table_aligns_numbers_right_and_text_left():
     assert lines[3] == "bbbb  123"
 
 
+def test_format_seconds():
+    assert [report.format_seconds(x) for x in (1.234, 0.0015, 2.26e-5, 3e-9, 0)] == [
+        "1.23 s", "1.5 ms", "22.6 µs", "3 ns", "0 s"]
+
+
 def test_trials_table_lists_every_trial_in_order():
     rec = report.plan_record(_plan())
     lines = report.trials_table(rec["trials"]).splitlines()
@@ -126,9 +132,12 @@ def test_trials_table_lists_every_trial_in_order():
 
 
 def test_micro_batch_changes():
-    steps = [{"step": i, "micro_batch_size": m} for i, m in enumerate([8, 8, 4, 4, 2, 8], 1)]
+    why = ["split", "split", "oom", "oom", "pressure", "grown"]
+    steps = [{"step": i, "micro_batch_size": m, "micro_batch_reason": r}
+             for i, (m, r) in enumerate(zip([8, 8, 4, 4, 2, 8], why), 1)]
     assert report.micro_batch_changes(steps) == [
-        {"step": 3, "from": 8, "to": 4}, {"step": 5, "from": 4, "to": 2}, {"step": 6, "from": 2, "to": 8}]
+        {"step": 3, "from": 8, "to": 4, "reason": "oom"}, {"step": 5, "from": 4, "to": 2, "reason": "pressure"},
+        {"step": 6, "from": 2, "to": 8, "reason": "grown"}]
     assert report.micro_batch_changes([]) == []
     assert all(set(c) == report.SCHEMAS["micro_batch_change"] for c in report.micro_batch_changes(steps))
 
@@ -165,6 +174,43 @@ def test_run_plot_draws_what_the_run_did(tmp_path):
     # the micro-batch line follows the steps exactly
     micro_line = right.get_lines()[0]
     assert list(micro_line.get_ydata()) == [s["micro_batch_size"] for s in _steps()]
+
+
+def _timed_plan() -> BatchPlan:
+    """A throughput plan: the fitting trials timed on 10 ms + 1 ms per sample."""
+    plan = _plan()
+    for t in plan.trials:
+        if t.fits:
+            t.step_seconds = 0.01 + 0.001 * t.batch_size
+    plan.objective, plan.largest_fitting, plan.batch_size = "throughput", 80, 8
+    plan.time_fit = TimeFit(fixed_seconds=0.01, seconds_per_sample=0.001)
+    plan.reason = "smallest within 5% of the fastest"
+    return plan
+
+
+def test_speed_is_in_the_record_the_table_and_the_plot(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rec = report.plan_record(_timed_plan())
+    assert rec["objective"] == "throughput" and (rec["batch_size"], rec["largest_fitting"]) == (8, 80)
+    assert rec["samples_per_second"] == pytest.approx(8 / 0.018)
+    assert rec["time_fit"] == {"fixed_seconds": 0.01, "seconds_per_sample": 0.001}
+    speeds = [t["samples_per_second"] for t in rec["trials"]]
+    assert speeds[0] == pytest.approx(1 / 0.011) and speeds[2] is None and speeds[3] is None  # oom, over target
+    rows = report.trials_table(rec["trials"]).splitlines()
+    assert rows[0].split()[-1] == "samples/s" and rows[3].split()[-1] == "444" and rows[4].split()[-1] == "-"
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.subplots(1, 1)
+    report.plot_memory_fit(ax, rec)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "trial: samples/s" in labels
+    assert "time fit: 10 ms + 1 ms/sample" in labels
+    assert any(lb.startswith("chosen: 444 samples/s") for lb in labels)
+    assert any(lb == "chosen batch 8 (throughput)" for lb in labels)
+    path = report.save_find_plot(rec, tmp_path / "find.png", title="t")
+    assert png_size(path) == report.FIGURE_SIZE_PX
 
 
 # ---------------------------------------------------------------------------

@@ -15,8 +15,18 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     schema_version, command="find",
     model, input_shape [int], num_classes, optimizer, amp (null|"bf16"|"fp16"), device,
     strategy, target, capacity_bytes, limit_bytes,
-    batch_size                the answer: the largest batch whose peak <= limit_bytes
-    stop_reason               "boundary" | "tolerance" | "max_batch_size" | "strategy" | "max_trials"
+    batch_size                the answer: the largest batch whose peak <= limit_bytes (objective
+                              "memory"), or the smallest such batch within speed_tolerance of the
+                              fastest measured samples/s ("throughput")
+    objective                 "memory" | "throughput"
+    speed_tolerance           the share of the best samples/s "throughput" may give up
+    largest_fitting           the largest batch whose peak <= limit_bytes (= batch_size for "memory")
+    reason                    one line: why batch_size
+    samples_per_second        measured at batch_size, or null when it was not timed
+    time_fit                  {fixed_seconds, seconds_per_sample}: seconds per step ~ fixed +
+                              per_sample x batch through the timed trials that fitted | null
+    stop_reason               the memory search's: "boundary" | "tolerance" | "max_batch_size" |
+                              "strategy" | "max_trials"
     steps_per_trial,
     memory                    the figure judged: "tensors" | "resident" | "device" | "allocated"
     binding_limit             on a real CPU: "cgroup" | "rlimit_as" | "physical"; else null
@@ -29,7 +39,9 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     compilations              graphs dynamo compiled during the search, warm-up included
     trials                    [{batch_size, outcome "fit"|"over_target"|"oom"|"refused",
                                 peak_bytes|null, start_bytes|null, seconds,
-                                tensor_bytes|null, bound_bytes|null}]
+                                tensor_bytes|null, bound_bytes|null,
+                                step_seconds|null (fastest timed step, fits only),
+                                samples_per_second|null, alloc_retries|null (CUDA)}]
     num_trials, num_ooms, seconds
 
 ``plan`` (``batchpilot plan --json``)::
@@ -55,9 +67,12 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     plan                      the finder's plan: the ``find`` keys from strategy on, or
                               null when --grad-accum-steps skipped the finder
     lr                        {base, base_size, rule "linear"|"sqrt"|"none", scaled}
+    split                     the engine's first split of the batch: {micro_batch_size,
+                                accum_steps, largest_fitting, predicted_seconds|null,
+                                fewest_seconds|null, reason} | null
     steps                     [{step, epoch, loss, micro_batch_size, accum_steps, ooms,
-                                peak_bytes, capacity_bytes|null, seconds}]
-    micro_batch_changes       [{step, from, to}]
+                                peak_bytes, capacity_bytes|null, seconds, micro_batch_reason}]
+    micro_batch_changes       [{step, from, to, reason}]
     accuracy                  held-out accuracy in [0, 1]
     samples_seen, optimizer_steps, total_ooms, seconds
 """
@@ -82,24 +97,30 @@ __all__ = [
     "to_json",
     "write_json",
     "format_table",
+    "format_seconds",
     "trials_table",
     "micro_batch_changes",
     "plot_memory_fit",
     "plot_run_timeline",
     "save_run_plot",
+    "save_find_plot",
     "progress",
     "logging_through_progress",
 ]
 
 #: 2: ``plan``'s ``required_bytes`` is reserved + context (was allocated + context), the figure
 #: cudaMalloc runs out of; ``find`` gained ``memory``, ``binding_limit``, ``tensor_fit``,
-#: ``snapshot`` and per-trial ``tensor_bytes`` / ``bound_bytes``.
+#: ``snapshot`` and per-trial ``tensor_bytes`` / ``bound_bytes``. Since, with no key changing
+#: meaning: ``find`` gained ``objective``, ``speed_tolerance``, ``largest_fitting``, ``reason``,
+#: ``samples_per_second``, ``time_fit`` and per-trial ``step_seconds`` / ``samples_per_second`` /
+#: ``alloc_retries``; ``train`` gained ``split``, per-step ``micro_batch_reason`` and per-change ``reason``.
 SCHEMA_VERSION = 2
 
 _PLAN_KEYS = frozenset({
     "strategy", "target", "capacity_bytes", "limit_bytes", "batch_size", "stop_reason", "steps_per_trial",
     "fit", "trials", "num_trials", "num_ooms", "seconds", "memory", "binding_limit", "tensor_fit", "snapshot",
     "compiled", "compiled_trials", "compilations",
+    "objective", "speed_tolerance", "largest_fitting", "reason", "samples_per_second", "time_fit",
 })
 _JOB_KEYS = frozenset({"schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp"})
 
@@ -117,17 +138,20 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "plan.evaluation": frozenset({"batch_size", "required_bytes"}),
     "train": frozenset({
         "schema_version", "command", "config", "dataset", "device", "plan", "lr", "steps",
-        "micro_batch_changes", "accuracy", "samples_seen", "optimizer_steps", "total_ooms", "seconds",
+        "micro_batch_changes", "accuracy", "samples_seen", "optimizer_steps", "total_ooms", "seconds", "split",
     }),
+    "split": frozenset({"micro_batch_size", "accum_steps", "largest_fitting", "predicted_seconds",
+                        "fewest_seconds", "reason"}),
     "train.plan": _PLAN_KEYS,
     "trial": frozenset({"batch_size", "outcome", "peak_bytes", "start_bytes", "seconds", "tensor_bytes",
-                        "bound_bytes"}),
+                        "bound_bytes", "step_seconds", "samples_per_second", "alloc_retries"}),
+    "time_fit": frozenset({"fixed_seconds", "seconds_per_sample"}),
     "snapshot": frozenset({"bytes", "seconds", "on_disk"}),
     "fit": frozenset({"fixed_bytes", "bytes_per_sample"}),
     "lr": frozenset({"base", "base_size", "rule", "scaled"}),
     "step": frozenset({
         "step", "epoch", "loss", "micro_batch_size", "accum_steps", "ooms", "peak_bytes",
-        "capacity_bytes", "seconds",
+        "capacity_bytes", "seconds", "micro_batch_reason",
     }),
     "dataset": frozenset({"name", "num_train", "num_held_out", "num_classes", "sample_shape"}),
     "train.config": frozenset({
@@ -136,7 +160,7 @@ SCHEMAS: dict[str, frozenset[str]] = {
         "capacity", "strategy", "grow_after", "squeeze_at", "squeeze_steps", "squeeze_capacity", "held_out",
         "seed", "out", "plot", "progress",
     }),
-    "micro_batch_change": frozenset({"step", "from", "to"}),
+    "micro_batch_change": frozenset({"step", "from", "to", "reason"}),
 }
 
 #: Width and height in pixels of every PNG written here.
@@ -200,9 +224,12 @@ def plan_record(plan: Any) -> dict[str, Any]:
         {"batch_size": int(t["batch_size"]), "outcome": t["outcome"],
          "peak_bytes": _int_or_none(t.get("peak_bytes")), "start_bytes": _int_or_none(t.get("start_bytes")),
          "seconds": float(t["seconds"]), "tensor_bytes": _int_or_none(t.get("tensor_bytes")),
-         "bound_bytes": _int_or_none(t.get("bound_bytes"))}
+         "bound_bytes": _int_or_none(t.get("bound_bytes")), "step_seconds": _float_or_none(t.get("step_seconds")),
+         "samples_per_second": _sps(t), "alloc_retries": _int_or_none(t.get("alloc_retries"))}
         for t in (x.to_dict() if hasattr(x, "to_dict") else x for x in d["trials"])
     ]
+    largest = d.get("largest_fitting")
+    chosen = [t for t in trials if t["batch_size"] == int(d["batch_size"]) and t["outcome"] == "fit"]
     return {
         "strategy": d["strategy"],
         "target": float(d["target"]),
@@ -224,7 +251,30 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "compiled": bool(d.get("compiled", False)),
         "compiled_trials": bool(d.get("compiled_trials", False)),
         "compilations": int(d.get("compilations", 0)),
+        "objective": d.get("objective", "memory"),
+        "speed_tolerance": float(d.get("speed_tolerance", 0.05)),
+        "largest_fitting": int(largest) if largest is not None else int(d["batch_size"]),
+        "reason": d.get("reason") or "",
+        "samples_per_second": chosen[-1]["samples_per_second"] if chosen else None,
+        "time_fit": _time_fit_record(d.get("time_fit")),
     }
+
+
+def _float_or_none(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _sps(trial: Mapping[str, Any]) -> float | None:
+    seconds = trial.get("step_seconds")
+    return float(trial["batch_size"]) / float(seconds) if seconds else None
+
+
+def _time_fit_record(fit: Any) -> dict[str, float] | None:
+    if fit is None:
+        return None
+    if not isinstance(fit, Mapping):
+        fit = {"fixed_seconds": fit.fixed_seconds, "seconds_per_sample": fit.seconds_per_sample}
+    return {"fixed_seconds": float(fit["fixed_seconds"]), "seconds_per_sample": float(fit["seconds_per_sample"])}
 
 
 def _fit_record(fit: Any) -> dict[str, int] | None:
@@ -254,27 +304,40 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
+def format_seconds(seconds: float) -> str:
+    """A duration with its unit and three significant digits: ``"1.5 ms"``, ``"22.6 µs"``, ``"1.2 s"``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns" if seconds else "0 s"
+
+
 def trials_table(trials: Sequence[Mapping[str, Any]]) -> str:
-    """The finder's trials, one row each, in the order they ran."""
+    """The finder's trials, one row each, in the order they ran; samples/s where a trial was timed."""
     def peak(t: Mapping[str, Any]) -> str:
         if t.get("peak_bytes") is None:
             return "-"
         # an OOM's figure is what was live when it failed: a lower bound of its peak
         return (">= " if t["outcome"] == "oom" else "") + format_bytes(t["peak_bytes"])
 
+    def speed(t: Mapping[str, Any]) -> str:
+        return f"{t['samples_per_second']:,.0f}" if t.get("samples_per_second") else "-"
+
     rows = [
-        (i, t["batch_size"], t["outcome"], peak(t), f"{t['seconds']:.3f}" if t.get("seconds") is not None else "-")
+        (i, t["batch_size"], t["outcome"], peak(t), f"{t['seconds']:.3f}" if t.get("seconds") is not None else "-",
+         speed(t))
         for i, t in enumerate(trials, 1)
     ]
-    return format_table(("#", "batch", "outcome", "peak memory", "seconds"), rows)
+    return format_table(("#", "batch", "outcome", "peak memory", "seconds", "samples/s"), rows)
 
 
-def micro_batch_changes(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
-    """Where the micro-batch size changed over a run: ``[{step, from, to}]``."""
+def micro_batch_changes(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Where the micro-batch size changed over a run, and why: ``[{step, from, to, reason}]``."""
     changes = []
     for prev, cur in zip(steps, steps[1:]):
         if cur["micro_batch_size"] != prev["micro_batch_size"]:
-            changes.append({"step": cur["step"], "from": prev["micro_batch_size"], "to": cur["micro_batch_size"]})
+            changes.append({"step": cur["step"], "from": prev["micro_batch_size"], "to": cur["micro_batch_size"],
+                            "reason": cur.get("micro_batch_reason", "")})
     return changes
 
 
@@ -317,11 +380,41 @@ def plot_memory_fit(ax: Any, plan: Mapping[str, Any] | None) -> None:
     if limit:
         ax.axhline(limit / _MIB, color="tab:purple", ls=":", lw=1.2, label=f"target {format_bytes(limit)}")
     if chosen:
-        ax.axvline(chosen, color="tab:gray", ls="-.", lw=1, label=f"chosen batch {chosen}")
+        ax.axvline(chosen, color="tab:gray", ls="-.", lw=1,
+                   label=f"chosen batch {chosen} ({plan.get('objective', 'memory')})")
     ax.set_xlim(0, x_max)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"memory vs batch size (finder: {plan.get('strategy', '?')})")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(f"memory and speed vs batch size (finder: {plan.get('strategy', '?')})")
+    handles, labels = ax.get_legend_handles_labels()
+    speed = _plot_speed(ax, plan, x_max)
+    if speed is not None:
+        more = speed.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize=7, loc="upper left")
+
+
+def _plot_speed(ax: Any, plan: Mapping[str, Any], x_max: float) -> Any:
+    """Samples/s of the timed trials on a right-hand axis, the time fit's curve, the chosen point."""
+    timed = [t for t in plan.get("trials") or [] if t.get("samples_per_second")]
+    if not timed:
+        return None
+    sp = ax.twinx()
+    sp.set_ylabel("samples/s", color="tab:cyan")
+    sp.scatter([t["batch_size"] for t in timed], [t["samples_per_second"] for t in timed], c="tab:cyan",
+               marker="D", s=30, zorder=3, label="trial: samples/s")
+    fit = plan.get("time_fit")
+    if fit and fit["fixed_seconds"] + fit["seconds_per_sample"] > 0:
+        xs = [x_max * i / 200 for i in range(1, 201)]
+        sp.plot(xs, [x / (fit["fixed_seconds"] + fit["seconds_per_sample"] * x) for x in xs], color="tab:cyan",
+                lw=1, ls="--", label=f"time fit: {format_seconds(fit['fixed_seconds'])} + "
+                                     f"{format_seconds(fit['seconds_per_sample'])}/sample")
+    chosen = plan.get("batch_size")
+    best = [t for t in timed if t["batch_size"] == chosen]
+    if best:
+        sp.scatter([chosen], [best[-1]["samples_per_second"]], s=140, facecolors="none", edgecolors="black",
+                   zorder=4, label=f"chosen: {best[-1]['samples_per_second']:,.0f} samples/s")
+    sp.set_ylim(bottom=0)
+    return sp
 
 
 def plot_run_timeline(ax: Any, steps: Sequence[Mapping[str, Any]]) -> None:
@@ -375,6 +468,32 @@ def save_run_plot(plan: Mapping[str, Any] | None, steps: Sequence[Mapping[str, A
     if title:
         fig.suptitle(title, fontsize=10)
     # no bbox_inches="tight": it would change the pixel size the schema promises
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI, format="png")
+    return path
+
+
+def save_find_plot(plan: Mapping[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path:
+    """Write the finder's figure (:func:`plot_memory_fit`: memory and samples/s vs batch size) as a PNG.
+
+    The image is exactly :data:`FIGURE_SIZE_PX` pixels.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'batchpilot[cli]'``).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'batchpilot[cli]'") from exc
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w, h = FIGURE_SIZE_PX
+    fig = Figure(figsize=(w / _DPI, h / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    plot_memory_fit(fig.subplots(1, 1), plan)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI, format="png")
     return path

@@ -350,6 +350,7 @@ def _step_record(step: int, epoch: int, res: StepResult, capacity: int | None) -
         "peak_bytes": res.peak_bytes,
         "capacity_bytes": capacity,
         "seconds": res.seconds,
+        "micro_batch_reason": res.micro_batch_reason,
     }
 
 
@@ -482,6 +483,7 @@ def run_training(config: TrainConfig) -> TrainResult:
         },
         "device": str(device),
         "plan": None if engine.plan is None else report.plan_record(engine.plan),
+        "split": None if engine.split is None else engine.split.to_dict(),
         "lr": {"base": config.lr_base, "base_size": config.lr_base_size, "rule": rule, "scaled": lr},
         "steps": run.steps,
         "micro_batch_changes": report.micro_batch_changes(run.steps),

@@ -12,9 +12,11 @@ from torch import nn
 from ...find import find_batch_size_for
 from ...memory import format_bytes
 from ...search import STRATEGIES
+from ...speed import OBJECTIVES, SPEED_TOLERANCE
 from .. import report
 from .common import (
-    UsageError, add_fit_options, add_model_options, add_verbose, byte_size, device_or_fail, positive_int,
+    UsageError, add_fit_options, add_model_options, add_verbose, byte_size, device_or_fail, non_negative_int,
+    positive_int, speed_fraction,
 )
 from .workload import Workload
 
@@ -62,6 +64,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "trials run the compiled step on real memory (a GPU, or a CPU without --capacity); under "
                         "an emulated CPU capacity they run eagerly")
     s.add_argument("--seed", type=int, default=0, help="seed of the model weights and random inputs (default: %(default)s)")
+    v = p.add_argument_group("speed")
+    v.add_argument("--objective", choices=OBJECTIVES, default="memory",
+                   help="memory: the largest batch that fits; throughput: the smallest fitting batch whose samples/s "
+                        "is within --speed-tolerance of the fastest measured, found by timing a few smaller sizes "
+                        "(default: %(default)s)")
+    v.add_argument("--speed-tolerance", metavar="FRACTION", type=speed_fraction, default=SPEED_TOLERANCE,
+                   help="share of the best samples/s the throughput objective may give up, in [0, 0.5) "
+                        "(default: %(default)s, DeepSpeed's plateau rule)")
+    v.add_argument("--timed-steps", metavar="N", type=non_negative_int, default=None,
+                   help="steps timed per fitting trial after a warm-up step, the fastest counting (default: 1 "
+                        "for memory, 3 for throughput; 0 times nothing)")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="also write a PNG of peak memory and samples/s against batch size, the chosen one marked")
     p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_verbose(p)
@@ -99,12 +114,27 @@ def _human(doc: dict[str, Any]) -> str:
     if doc["compiled"]:
         ran = "the compiled step" if doc["compiled_trials"] else "eagerly (an emulated CPU capacity counts tensors)"
         lines.append(f"compiled model: trials ran {ran}; {doc['compilations']} graph(s) compiled during the search")
-    lines.append(
-        f"batch size: {doc['batch_size']}  (limit {format_bytes(doc['limit_bytes'])} = {doc['target']:.0%} of "
-        f"{format_bytes(doc['capacity_bytes'])}; {_STOPS.get(doc['stop_reason'], doc['stop_reason'])}; "
-        f"{doc['num_trials']} trials, {doc['num_ooms']} OOM, {doc['seconds']:.2f} s)"
-    )
+    tf = doc["time_fit"]
+    if tf:
+        lines.append(f"time fit: {report.format_seconds(tf['fixed_seconds'])} + "
+                     f"{report.format_seconds(tf['seconds_per_sample'])} per sample per step "
+                     f"(saturates at {_saturation(tf)} samples/s)")
+    largest = doc["largest_fitting"]
+    stop = _STOPS.get(doc["stop_reason"], doc["stop_reason"])
+    memory = (f"limit {format_bytes(doc['limit_bytes'])} = {doc['target']:.0%} of "
+              f"{format_bytes(doc['capacity_bytes'])}")
+    if doc["objective"] == "memory":
+        lines.append(f"batch size: {doc['batch_size']}  ({memory}; {stop}; {doc['num_trials']} trials, "
+                     f"{doc['num_ooms']} OOM, {doc['seconds']:.2f} s)")
+    else:
+        lines.append(f"largest that fits: {largest}  ({memory}; {stop})")
+        lines.append(f"batch size: {doc['batch_size']}  ({doc['reason']}; {doc['num_trials']} trials, "
+                     f"{doc['num_ooms']} OOM, {doc['seconds']:.2f} s)")
     return "\n".join(lines)
+
+
+def _saturation(tf: dict[str, float]) -> str:
+    return f"{1 / tf['seconds_per_sample']:,.0f}" if tf["seconds_per_sample"] > 0 else "no limit"
 
 
 def _compile_backend(name: str | None) -> str | None:
@@ -136,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--min-batch-size {args.min_batch_size} is above --max-batch-size {args.max_batch_size}")
     if args.plan_first and args.strategy != "predict":
         raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
+    if args.objective == "throughput" and args.timed_steps == 0:
+        raise UsageError("--objective throughput compares timed steps; drop --timed-steps 0")
     backend = _compile_backend(args.compile)
     torch.manual_seed(args.seed)
     model = workload.build_model().to(device)
@@ -152,12 +184,16 @@ def run(args: argparse.Namespace) -> int:
             loss_fn=nn.CrossEntropyLoss(), amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
             capacity=args.capacity, strategy=args.strategy, min_batch_size=args.min_batch_size,
             max_batch_size=args.max_batch_size, steps_per_trial=args.steps_per_trial,
-            progress=not args.no_progress,
+            progress=not args.no_progress, objective=args.objective, speed_tolerance=args.speed_tolerance,
+            timed_steps=args.timed_steps,
         )
     if args.plan_first and plan.seeded_by is None:
         print("batchpilot find: note: --plan-first found no plan to start from (-v says why); searched unseeded",
               file=sys.stderr)
     doc = find_document(workload, plan, device)
+    if args.plot is not None:
+        report.save_find_plot(doc, args.plot, title=f"batchpilot find: {doc['model']} on {doc['device']}, "
+                                                    f"objective {doc['objective']}")
     print(report.to_json(doc) if args.json else _human(doc))
     sys.stdout.flush()
     return 0

@@ -16,6 +16,7 @@ __all__ = [
     "positive_int",
     "non_negative_int",
     "fraction",
+    "speed_fraction",
     "positive_float",
     "byte_size",
     "shape",
@@ -69,6 +70,17 @@ def fraction(text: str) -> float:
     value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def speed_fraction(text: str) -> float:
+    """argparse type: a number in [0, 0.5), the share of the best samples/s one may give up."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 0.5:
+        raise argparse.ArgumentTypeError(f"must be in [0, 0.5), e.g. 0.05 for 5%, got {text}")
     return value
 
 

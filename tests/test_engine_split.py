@@ -1,0 +1,147 @@
+"""The engine's split of a batch into micro-batches: balanced, by the finder's step times, with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpilot.engine import Engine, EngineConfig
+from batchpilot.find import BatchPlan
+from batchpilot.memory import emulate_capacity
+from batchpilot.search import Trial
+
+from engine_utils import CE, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
+
+
+def timed_plan(largest: int, curve, sizes) -> BatchPlan:
+    """A finder's plan whose fitting trials were timed on ``curve`` (seconds per step at a size)."""
+    trials = [Trial(batch_size=b, outcome="fit", peak_bytes=1000 + b, step_seconds=curve(b)) for b in sizes]
+    return BatchPlan(batch_size=largest, target=0.8, capacity=1 << 30, limit_bytes=1 << 29, strategy="predict",
+                     device="cpu", trials=trials, largest_fitting=largest)
+
+
+def linear(b: int) -> float:
+    return 0.05 + 0.001 * b
+
+
+def cache_cliff(b: int) -> float:
+    """1 ms per sample up to 16, 3 ms per sample beyond: small micro-batches are faster."""
+    return 0.001 + (0.001 * b if b <= 16 else 0.016 + 0.003 * (b - 16))
+
+
+def test_balanced_micro_batches_give_the_update_of_one_batch():
+    model, opt = make("mlp")
+    ref_model, ref_opt = make("mlp")
+    batch = next(batches(model, 10, 1))
+    Engine(ref_model, ref_opt, CE, global_batch_size=10, micro_batch_size=10).step(batch)
+    sizes = []
+
+    def recording(m, b):
+        sizes.append(len(b[0]))
+        return CE(m, b)
+
+    r = Engine(model, opt, recording, global_batch_size=10, start=4).step(batch)
+    assert (r.micro_batch_size, r.accum_steps, r.samples) == (4, 3, 10)
+    assert sizes == [4, 3, 3]  # not 4 + 4 + 2: the same passes and peak, no ragged tail
+    assert_params_close(params(model), params(ref_model))  # fp32, rtol 1e-5
+
+
+def test_without_timing_the_fewest_balanced_micro_batches():
+    model, opt = make("mlp")
+    eng = Engine(model, opt, CE, global_batch_size=64, start=40)
+    r = eng.step(next(batches(model, 64, 1)))
+    # 40 fit: 2 micro-batches either way, 32 + 32 holds less than 40 + 24
+    assert (r.micro_batch_size, r.accum_steps) == (32, 2)
+    assert r.micro_batch_reason == eng.micro_batch_reason == "fewest micro-batches of at most 40, balanced (not timed)"
+    assert eng.describe() == ("global 64 = micro 32 × world 1 × accum 2: fewest micro-batches of at most 40, "
+                              "balanced (not timed)")
+    assert eng.split.to_dict()["largest_fitting"] == 40
+
+
+def test_a_linear_time_plan_keeps_the_fewest_micro_batches():
+    model, opt = make("mlp")
+    plan = timed_plan(40, linear, (1, 8, 20, 40))
+    eng = Engine(model, opt, CE, global_batch_size=64, start=plan)
+    r = eng.step(next(batches(model, 64, 1)))
+    assert (r.micro_batch_size, r.accum_steps) == (32, 2)
+    assert r.micro_batch_reason.startswith("fewest micro-batches of at most 40, balanced: predicted")
+    assert eng.split.seconds == pytest.approx(2 * linear(32))
+
+
+def test_a_plan_timed_faster_at_small_sizes_splits_finer_and_does_not_grow_back():
+    model, opt = make("mlp")
+    plan = timed_plan(64, cache_cliff, (1, 8, 16, 32, 64))
+    eng = Engine(model, opt, CE, global_batch_size=64, start=plan, config=EngineConfig(grow_after=1))
+    results = [eng.step(b) for b in batches(model, 64, 4)]
+    # one pass of 64 costs 0.161 s, four of 16 cost 4 x 0.017: the measured curve wins over "fewest"
+    assert [(r.micro_batch_size, r.accum_steps) for r in results] == [(16, 4)] * 4
+    assert results[0].micro_batch_reason.startswith("measured faster: 4 micro-batches predicted 0.068 s")
+    assert eng.policy.ceiling == 16  # growth (grow_after=1, memory to spare) stops at the timed size
+    assert "measured faster" in eng.describe()
+    fewest = Engine(*make("mlp"), CE, global_batch_size=64, start=plan, config=EngineConfig(split="fewest"))
+    assert fewest.step(next(batches(model, 64, 1))).accum_steps == 1
+
+
+def test_the_reason_follows_an_oom_and_the_growth_back():
+    model, opt = make("mlp")
+    loss = InjectOOM(CE, in_step={(1, 0)})
+    eng = Engine(model, opt, loss, global_batch_size=64, start=64, config=EngineConfig(grow_after=2))
+    reasons = []
+    with emulate_capacity(1 << 30, track=(model, opt)):
+        for b in batches(model, 64, 5):
+            loss.begin_step()
+            r = eng.step(b)
+            reasons.append((r.micro_batch_size, r.ooms, r.micro_batch_reason))
+    assert reasons[0] == (64, 0, "fewest micro-batches of at most 64, balanced (not timed)")
+    assert reasons[1] == (32, 1, "shrunk after an out-of-memory error at micro-batch 64")
+    assert reasons[2][:2] == (32, 0)
+    grown = [r for r in reasons[3:] if r[0] == 64]
+    assert grown and grown[0][2].startswith("grown from 32 after 2 clean steps")
+
+
+def test_bad_split_options():
+    with pytest.raises(ValueError, match="split must be 'time' or 'fewest'"):
+        EngineConfig(split="fast")
+    with pytest.raises(ValueError, match="speed_tolerance"):
+        EngineConfig(split_margin=0.9)
+
+
+def test_the_engines_own_finder_times_the_curve_and_the_split_follows_it(monkeypatch):
+    from batchpilot import timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: now[0])
+    monkeypatch.setattr(timing, "thread_clock", lambda: now[0])
+
+    def clocked(m, b):  # a real loss, and the fake clock moves by the curve at this micro-batch
+        now[0] += cache_cliff(len(b[0]))
+        return CE(m, b)
+
+    model, opt = make("mlp")
+    ref_model, ref_opt = make("mlp")
+    batch = next(batches(model, 64, 1))
+    # the throughput search gives the finder's plan a dense curve; memory allows the whole batch
+    cfg = EngineConfig(find_options={"objective": "throughput"})
+    eng = Engine(model, opt, clocked, global_batch_size=64, config=cfg)
+    with emulate_capacity(1 << 30, track=(model, opt)):
+        r = eng.step(batch)
+    assert eng.plan.largest_fitting == 64 and len(eng.plan.timed_points()) >= 4
+    assert eng.split.accum_steps > 1 and r.micro_batch_size < 64
+    assert r.micro_batch_reason.startswith("measured faster")
+    # the finer split is the same update (no BatchNorm): fp32, rtol 1e-5
+    Engine(ref_model, ref_opt, CE, global_batch_size=64, micro_batch_size=64).step(batch)
+    assert_params_close(params(model), params(ref_model))
+
+
+def test_the_memory_bound_is_a_memory_plans_answer_and_a_throughput_plans_largest_fit():
+    # after find_batch_size_distributed a memory plan's batch_size is the smallest rank's answer,
+    # below this rank's own largest fit: the split must stay under the agreed one
+    model, opt = make("mlp")
+    agreed = timed_plan(48, linear, (1, 16, 48))
+    agreed.batch_size = 20
+    eng = Engine(model, opt, CE, global_batch_size=64, start=agreed)
+    assert eng.step(next(batches(model, 64, 1))).micro_batch_size == 16  # 4 x 16 under 20, not 2 x 32 under 48
+    fast = timed_plan(48, linear, (1, 16, 48))
+    fast.objective, fast.batch_size = "throughput", 16  # the smallest about as fast; 48 fits
+    eng = Engine(*make("mlp"), CE, global_batch_size=64, start=fast)
+    assert eng.step(next(batches(model, 64, 1))).micro_batch_size == 32  # the split is the engine's own
