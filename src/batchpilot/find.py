@@ -606,6 +606,7 @@ def find_batch_size_for(
     plan_first: bool = False,
     shared: str | Iterable[str] | None = None,
     split_fn: SplitFn | None = None,
+    search: Callable[..., BatchPlan] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
     amp_dtype: torch.dtype | None = None,
     **options: Any,
@@ -638,6 +639,9 @@ def find_batch_size_for(
         shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.batch`).
         split_fn: ``split_fn(batch, start, stop)`` cutting the example batch yourself; the
             search then stays within the example's size.
+        search: the search the step runs under, called as ``search(step, device=, restore=,
+            **options)``: :func:`find_batch_size` (default), or
+            :func:`batchpilot.distributed.find_batch_size_distributed` to agree across ranks.
         forward: deprecated: pass the same function as ``loss_fn``.
         amp_dtype: deprecated spelling of ``amp``.
         **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
@@ -697,16 +701,17 @@ def find_batch_size_for(
         with torch.inference_mode(), autocast(dev.type, dtype):
             fwd(model, data)
 
+    run = find_batch_size if search is None else search
     if mode == "eval":
         flags = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
-            plan = find_batch_size(eval_step, device=device, restore=targets, **options)
+            plan = run(eval_step, device=device, restore=targets, **options)
         finally:
             for m, flag in flags:
                 m.training = flag
     else:
-        plan = find_batch_size(train_step, device=device, restore=targets, **options)
+        plan = run(train_step, device=device, restore=targets, **options)
     if seed is not None:
         plan.plan_seconds = seed.seconds
         plan.seconds += seed.seconds
