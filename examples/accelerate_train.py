@@ -6,10 +6,9 @@
 
 ``--global-batch`` is the number of samples per optimizer step over all ranks, the one the learning
 rate is tuned for. ``batchpilot.integrations.accelerate.find_executable_batch_size`` finds the
-largest per-device batch that fits on every rank (trial runs of ``train`` stopped after two
-optimizer steps, then the smallest answer over ranks); ``train`` splits each rank's share of the
-global batch into micro-batches no larger than that (``batchpilot.batching.config_for_limit``) and
-builds ``Accelerator(gradient_accumulation_steps=...)`` to make up the rest. The optimisation, and
+largest micro-batch that divides each rank's share of the global batch and fits on every rank
+(trial runs of ``train`` stopped after two optimizer steps, then the smallest answer over ranks);
+``train`` builds ``Accelerator(gradient_accumulation_steps=...)`` to make up the rest. The optimisation, and
 the learning rate, are the same on any number of ranks and any memory. ``--capacity`` emulates a
 smaller device per rank (comma-separated; CPU only). Each rank prints one JSON line.
 """
@@ -27,7 +26,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from batchpilot.batching import config_for_limit
+from batchpilot.batching import BatchConfig
 from batchpilot.integrations.accelerate import find_executable_batch_size
 from batchpilot.memory import emulate_capacity
 from batchpilot.ranks import rank, world_size
@@ -45,9 +44,10 @@ def main(argv: list[str] | None = None) -> dict:
     data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (4096,), generator=g))
     report: dict = {}
 
-    @find_executable_batch_size(starting_batch_size=args.global_batch // world)
+    @find_executable_batch_size(global_batch_size=args.global_batch)
     def train(batch_size: int) -> dict:
-        batches = config_for_limit(args.global_batch, batch_size, world_size=world)
+        # batch_size divides this rank's share of the global batch: accumulation makes up the rest
+        batches = BatchConfig(global_batch_size=args.global_batch, micro_batch_size=batch_size, world_size=world)
         accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=batches.accum_steps)
         accelerator.free_memory()  # the previous call's model and optimizer
         torch.manual_seed(0)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,6 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from dist_launch import torchrun  # noqa: E402  (tests/helpers)
 
-from batchpilot.find import find_batch_size  # noqa: E402
 from batchpilot.integrations.accelerate import find_executable_batch_size  # noqa: E402
 from batchpilot.memory import emulate_capacity  # noqa: E402
 
@@ -80,6 +77,39 @@ def test_the_drop_in_searches_with_short_trials_then_runs_once():
     assert AcceleratedOptimizer.step.__qualname__ == "AcceleratedOptimizer.step"
 
 
+def test_a_global_batch_searches_only_the_micro_batches_that_divide_it():
+    from batchpilot.batching import BatchConfig
+
+    seen: list[int] = []
+
+    @find_executable_batch_size(global_batch_size=96, capacity="400KiB")
+    def train(batch_size):
+        seen.append(batch_size)
+        accum = BatchConfig(global_batch_size=96, micro_batch_size=batch_size).accum_steps
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+        accelerator.free_memory()
+        model = network()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = DataLoader(TensorDataset(X, Y), batch_size=batch_size)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(F.cross_entropy(model(x), y))
+                opt.step()
+                opt.zero_grad()
+        return accum
+
+    with emulate_capacity("400KiB"):
+        accum = train()
+    divisors = [d for d in range(1, 97) if 96 % d == 0]
+    assert set(seen) <= set(divisors) and train.batch_size * accum == 96
+    fits = {t.batch_size for t in train.plan.trials if t.outcome == "fit"}
+    fails = {t.batch_size for t in train.plan.trials if t.outcome != "fit"}
+    # the largest divisor that fits, next to the next divisor up that does not
+    assert train.batch_size == max(fits) and divisors[divisors.index(train.batch_size) + 1] in fails
+    assert train.plan.strategy == "binsearch" and train.plan.fit is None
+
+
 def test_an_oom_in_the_final_run_retries_ten_percent_lower_on_the_memory_line(caplog):
     accelerator, calls = Accelerator(cpu=True), []
     train = make_train(accelerator, calls, oom_above=100)
@@ -136,20 +166,3 @@ def test_two_processes_agree_on_the_smaller_ranks_batch_and_hold_the_global_batc
     # every optimizer step saw the whole global batch: 128 samples on each of the two ranks
     assert r0["samples_per_step_this_rank"] == r1["samples_per_step_this_rank"] == [128] * 3
     assert r0["optimizer_steps"] == 3
-
-
-def test_the_example_runs_in_one_process():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "accelerate_train.py"), "--capacity", "600KiB",
-                          "--global-batch", "96", "--steps", "2"], capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout
-    r = json.loads(out.strip().splitlines()[-1])
-    assert r["world_size"] == 1 and r["micro_batch_size"] * r["accum_steps"] == 96
-    assert r["samples_per_step_this_rank"] == [96, 96]
-
-
-def test_importing_the_module_names_the_extra_when_accelerate_is_missing():
-    code = ("import sys; sys.modules['accelerate'] = None\n"
-            "try:\n    import batchpilot.integrations.accelerate\n"
-            "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'batchpilot[integrations]'" in out and "needs accelerate" in out

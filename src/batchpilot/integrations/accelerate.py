@@ -11,6 +11,7 @@ smallest answer. Then the function runs once, for real, at that size on every ra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._checks import positive_int
+from ..batching import BatchConfig
 from ..distributed import find_batch_size_distributed
 from ..find import BatchPlan
 from ..oom import attempt
@@ -131,9 +133,10 @@ def _ddp_buckets(acc: Accelerator, model: torch.nn.Module) -> torch.Tensor:
 
 def find_executable_batch_size(
     function: Callable[..., Any] | None = None,
-    starting_batch_size: int = 128,
+    starting_batch_size: int | None = None,
     reduce_batch_size_fn: Callable[[], int] | None = None,
     *,
+    global_batch_size: int | None = None,
     steps_per_trial: int = 2,
     target: float = 0.8,
     capacity: int | str | None = None,
@@ -164,12 +167,20 @@ def find_executable_batch_size(
     is 10% lower, as often as needed; on several processes it is raised, since another rank may be
     waiting inside a collective of the step.
 
+    With ``global_batch_size`` the function is only ever called with micro-batches that divide
+    each rank's share of it (``global_batch_size / world``), so that
+    ``Accelerator(gradient_accumulation_steps=global_batch_size // (world × batch_size))`` holds the
+    global batch exactly: the search bisects over those divisors (their memory is a step function
+    of any size in between, which a search over every integer would waste trials on).
+
     The wrapper's ``plan`` attribute holds the last :class:`~batchpilot.find.BatchPlan` (with
     ``limited_by_rank``) and ``batch_size`` the size of the final run.
 
     Args:
         function: the training function; ``batch_size`` is its first parameter.
-        starting_batch_size: the largest batch size to consider.
+        starting_batch_size: the largest batch size to consider; default 128 (Accelerate's), or
+            each rank's share of ``global_batch_size``.
+        global_batch_size: samples per optimizer step over all ranks, to be held by accumulation.
         reduce_batch_size_fn: Accelerate's hook for the next size after an OOM; batchpilot's search
             picks every size, so it is refused rather than ignored.
         steps_per_trial: optimizer steps per trial (2 puts the optimizer state in the peak).
@@ -187,18 +198,19 @@ def find_executable_batch_size(
             "reduce_batch_size_fn is Accelerate's way to pick the next size after an OOM; batchpilot's finder "
             "picks every size, so it would go unused: remove it (or use accelerate.utils.find_executable_batch_size)"
         )
-    positive_int("starting_batch_size", starting_batch_size)
+    if starting_batch_size is not None:
+        positive_int("starting_batch_size", starting_batch_size)
     positive_int("steps_per_trial", steps_per_trial)
     extra = dict(find_options or {})
     extra.setdefault("min_batch_size", min_batch_size)
     # the function runs steps_per_trial optimizer steps inside one call: one call per trial
-    opts = SizingOptions(target=target, capacity=capacity, strategy=strategy, max_batch_size=starting_batch_size,
-                         steps_per_trial=1, find_options=extra)
+    opts = SizingOptions(global_batch_size=global_batch_size, target=target, capacity=capacity, strategy=strategy,
+                         max_batch_size=starting_batch_size, steps_per_trial=1, find_options=extra)
     if function is None:
         return functools.partial(
-            find_executable_batch_size, starting_batch_size=starting_batch_size, steps_per_trial=steps_per_trial,
-            target=target, capacity=capacity, strategy=strategy, min_batch_size=min_batch_size,
-            find_options=find_options,
+            find_executable_batch_size, starting_batch_size=starting_batch_size, global_batch_size=global_batch_size,
+            steps_per_trial=steps_per_trial, target=target, capacity=capacity, strategy=strategy,
+            min_batch_size=min_batch_size, find_options=find_options,
         )
     params = list(inspect.signature(function).parameters)
 
@@ -210,7 +222,9 @@ def find_executable_batch_size(
                 f"batch size was passed into `{function.__name__}` as the first argument; the decorator passes it: "
                 f"call `{function.__name__}({given})`"
             )
-        plan = _search(function, args, kwargs, opts, starting_batch_size, steps_per_trial)
+        sizes = None if global_batch_size is None else _divisors(global_batch_size, starting_batch_size)
+        limit = starting_batch_size or (sizes[-1] if sizes else 128)
+        plan = _search(function, args, kwargs, opts, limit, steps_per_trial, sizes)
         size = plan.batch_size
         run.plan, run.batch_size = plan, size  # type: ignore[attr-defined]
         logger.info("batch size %d (limited by rank %s); running %s", size, plan.limited_by_rank, function.__name__)
@@ -219,6 +233,8 @@ def find_executable_batch_size(
             if outcome.ok:
                 return outcome.result
             smaller = _lower(plan, size)
+            if sizes is not None:
+                smaller = max((c for c in sizes if c <= smaller), default=0)
             if world_size() > 1 or smaller < min_batch_size:
                 why = (f"with several processes another rank may be inside a collective of the step, so there is no "
                        f"safe point to agree on a retry: lower target (now {target})" if world_size() > 1
@@ -252,20 +268,43 @@ def _lower(plan: BatchPlan, size: int) -> int:
     return min(size - 1, int((wanted - fit.fixed_bytes) // fit.bytes_per_sample))
 
 
+def _divisors(global_batch_size: int, limit: int | None) -> list[int]:
+    """The micro-batches that divide each rank's share of ``global_batch_size``, up to ``limit``.
+
+    Raises:
+        ValueError: the global batch does not divide by the world size (the nearest that do, named).
+    """
+    per_rank = BatchConfig(global_batch_size=global_batch_size, world_size=world_size()).micro_batch_size
+    return [d for d in range(1, per_rank + 1) if per_rank % d == 0 and (limit is None or d <= limit)] or [1]
+
+
 def _search(function: Callable[..., Any], args: tuple, kwargs: dict, opts: SizingOptions, limit: int,
-            steps: int) -> BatchPlan:
-    """The finder over trial runs of ``function``, on every rank, agreeing on the smallest answer."""
+            steps: int, sizes: list[int] | None = None) -> BatchPlan:
+    """The finder over trial runs of ``function``, on every rank, agreeing on the smallest answer.
+
+    With ``sizes`` the finder bisects over their indices (``binsearch``; 1 is ``sizes[0]``) and the
+    plan is translated back to sizes (without a memory line: it was fitted over indices).
+    """
     short: list[tuple[int, int]] = []  # (batch size, optimizer steps) of trials that returned early
 
     def trial(b: int) -> None:
+        size = b if sizes is None else sizes[b - 1]
         with _trial_mode(steps) as t:
             try:
-                function(b, *args, **kwargs)
+                function(size, *args, **kwargs)
             except _TrialDone:
                 return
-        short.append((b, t.done))
+        short.append((size, t.done))
 
-    plan = find_batch_size_distributed(trial, device=default_device(), **opts.finder_kwargs(limit))
+    options = opts.finder_kwargs(limit)
+    if sizes is not None:
+        options.update(strategy="binsearch", min_batch_size=1, max_batch_size=len(sizes))
+    plan = find_batch_size_distributed(trial, device=default_device(), **options)
+    if sizes is not None:
+        plan = dataclasses.replace(
+            plan, batch_size=sizes[plan.batch_size - 1], fit=None, tensor_fit=None,
+            trials=[dataclasses.replace(t, batch_size=sizes[t.batch_size - 1]) for t in plan.trials],
+        )
     if short:
         b, done = short[0]
         logger.warning(
