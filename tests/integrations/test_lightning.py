@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import warnings
 from pathlib import Path
 
@@ -188,6 +187,8 @@ def test_a_module_without_the_batch_size_attribute_is_told_how_to_fix_it():
 
     with pytest.raises(ValueError, match=r"attribute 'batch_size'.*add self.batch_size"):
         trainer(callbacks=[BatchSizeCallback(capacity="1MiB")]).fit(NoAttr())
+    with pytest.raises(ValueError, match=r"passed to fit\(\) directly"):
+        trainer(callbacks=[BatchSizeCallback(capacity="1MiB")]).fit(Pooled(), train_dataloaders=PaddedData().train_dataloader())
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -256,11 +257,35 @@ def test_resilient_module_refuses_automatic_optimization_and_explains_compute_lo
         m.compute_loss(None)
 
 
-def test_importing_the_module_names_the_extra_when_lightning_is_missing(tmp_path):
-    import subprocess
+@pytest.mark.gpu
+def test_on_cuda_the_callback_sizes_for_an_emulated_card_and_the_module_trains_within_it():
+    from batchpilot.memory import emulate_capacity
 
-    code = ("import sys; sys.modules['lightning'] = None\n"
-            "try:\n    import batchpilot.integrations.lightning\n"
-            "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'batchpilot[integrations]'" in out and "needs lightning" in out
+    X, Y = job.data()
+
+    class Net(ResilientModule, L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 4096), nn.ReLU(), nn.Linear(4096, 4))
+            self.batch_size = 8
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(X.repeat(64, 1), Y.repeat(64)), batch_size=self.batch_size)
+
+        def compute_loss(self, batch):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    cb = BatchSizeCallback(global_batch_size=65536, capacity="1GiB")
+    t = L.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    module = Net()
+    with emulate_capacity("1GiB", "cuda"):
+        t.fit(module)
+    s = cb.setup
+    assert s.plan.device.startswith("cuda") and s.plan.memory != "tensors"
+    assert 1 < s.micro_batch_size < 65536 and t.global_step == 2
+    assert module.batchpilot_engine.global_batch_size == 65536

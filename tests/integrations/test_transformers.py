@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -18,7 +15,12 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from batchpilot.batching import scale_lr  # noqa: E402
 from batchpilot.find import find_batch_size_for  # noqa: E402
-from batchpilot.integrations.transformers import ResilientTrainer, configure_batch_size, hf_loss  # noqa: E402
+from batchpilot.integrations.transformers import (  # noqa: E402
+    ResilientTrainer,
+    ResilientTrainerMixin,
+    configure_batch_size,
+    hf_loss,
+)
 from batchpilot.memory import emulate_capacity  # noqa: E402
 
 VOCAB, T = 64, 16
@@ -139,9 +141,22 @@ def test_an_oom_in_step_k_changes_neither_the_steps_nor_the_parameters(build, ra
     assert logged == pytest.approx([h["loss"] for h in plain.state.log_history if "loss" in h], rel=1e-5)
 
 
-def test_the_callers_arguments_and_the_global_batch_are_kept(tmp_path):
+class Subclassed(Trainer):
+    """A Trainer subclass with arguments of its own, as SFTTrainer has."""
+
+    def __init__(self, model, *rest, note: str = "", **kwargs):
+        super().__init__(model, *rest, **kwargs)
+        self.note = note
+
+
+class ResilientSubclassed(ResilientTrainerMixin, Subclassed):
+    pass
+
+
+def test_the_callers_arguments_and_the_global_batch_are_kept_also_by_the_mixin_on_a_subclass(tmp_path):
     a = args(tmp_path)
-    t = ResilientTrainer(model=gpt2(), args=a, train_dataset=Tokens())
+    t = ResilientSubclassed(gpt2(), a, train_dataset=Tokens(), note="mine")
+    assert t.note == "mine"
     assert (a.per_device_train_batch_size, a.gradient_accumulation_steps) == (8, 2)  # untouched
     # the Trainer's copy loads each optimizer step's batch whole; the engine starts at micro-batches of 8
     assert (t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps) == (16, 1)
@@ -225,9 +240,14 @@ def test_a_model_that_returns_no_loss_is_told_to_pass_labels(tmp_path):
         configure_batch_size(args(tmp_path), gpt2(), batch, capacity="8MiB")
 
 
-def test_importing_the_module_names_the_extra_when_transformers_is_missing():
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "try:\n    import batchpilot.integrations.transformers\n"
-            "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "pip install 'batchpilot[integrations]'" in out and "needs transformers" in out
+@pytest.mark.gpu
+def test_on_cuda_configure_and_train_within_an_emulated_card(tmp_path):
+    a = args(tmp_path, use_cpu=False, bf16=True, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+             max_steps=2)
+    model = gpt2()
+    setup = configure_batch_size(a, model, Tokens(n=4096), global_batch_size=4096, capacity="512MiB")
+    assert setup.plan.device.startswith("cuda") and setup.global_batch_size == 4096
+    with emulate_capacity("512MiB", "cuda"):
+        t = ResilientTrainer(model=model, args=a, train_dataset=Tokens(n=4096))
+        t.train()
+    assert t.state.global_step == 2 and t.batchpilot_engine.global_batch_size == 4096

@@ -10,11 +10,11 @@ from types import ModuleType
 from typing import Any
 
 from .._checks import positive_int
-from ..batching import LR_SCALE_RULES, BatchConfig, config_for_limit
+from ..batching import LR_SCALE_RULES, BatchConfig, config_for_limit, is_adaptive
 from ..find import BatchPlan, FinderConfig
 from ..policy import efficient_size
 
-__all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches"]
+__all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "lr_rule_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,13 @@ class BatchSetup:
         out["plan"] = None if self.plan is None else self.plan.to_dict()
         out["learning_rates"] = list(self.learning_rates)
         return out
+
+
+def lr_rule_for(rule: str, optimizer: Any) -> str:
+    """The rule :func:`batchpilot.batching.scale_lr` applies: ``"auto"`` is sqrt for adaptive optimizers, else linear."""
+    if rule != "auto":
+        return rule
+    return "sqrt" if is_adaptive(optimizer) else "linear"
 
 
 def choose_batches(found: int, *, world_size: int, global_batch_size: int | None, accum_steps: int,

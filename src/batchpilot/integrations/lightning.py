@@ -23,12 +23,11 @@ import torch
 
 from ..batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn
 from ..batching import rescale_lr
-from ..batching import _resolve_rule as _lr_rule
 from ..distributed import find_batch_size_distributed
 from ..engine import Engine, StepResult
 from ..find import BatchPlan
 from ..loss import parse_loss
-from ._common import BatchSetup, SizingOptions, choose_batches, require
+from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
 
 require("lightning", "batchpilot.integrations.lightning")
 
@@ -78,8 +77,9 @@ class BatchSizeCallback(Callback):
 
     Raises:
         ValueError: invalid options (at construction); at fit start, a module without the batch
-            size attribute, several training dataloaders, a strategy other than single-device or
-            DDP, or ``GradientAccumulationScheduler`` next to a global batch.
+            size attribute, a dataloader passed to ``fit()`` directly, several training dataloaders,
+            a strategy other than single-device or DDP, or ``GradientAccumulationScheduler`` next
+            to a global batch.
         batchpilot.find.NothingFitsError: not even one sample fits on some rank (on every rank).
     """
 
@@ -134,6 +134,11 @@ class BatchSizeCallback(Callback):
                 "batch could not be held; remove it or leave global_batch_size=None"
             )
         name = self.batch_arg_name
+        if not trainer.fit_loop._data_source.is_module():
+            raise ValueError(
+                "BatchSizeCallback cannot resize a dataloader passed to fit() directly: build it in the module's "
+                f"or a datamodule's train_dataloader() from self.{name}"
+            )
         if not lightning_hasattr(pl_module, name):
             raise ValueError(
                 f"BatchSizeCallback sets the dataloader's batch size through an attribute {name!r} of the "
@@ -153,7 +158,7 @@ class BatchSizeCallback(Callback):
             found = self.micro_batch_size
         else:
             caps = [c for c in (per_rank, limit) if c is not None]
-            plan = search_batch_size(trainer, pl_module, example, opts, limit=min(caps) if caps else None,
+            plan = _search_batch_size(trainer, pl_module, example, opts, limit=min(caps) if caps else None,
                                      layout=self.layout)
             found = plan.batch_size
         micro, accum, per_rank, last = choose_batches(
@@ -176,7 +181,7 @@ class BatchSizeCallback(Callback):
             per_rank_batch_size=per_rank, last_micro_batch_size=last,
             found_batch_size=None if plan is None else plan.batch_size,
             limited_by_rank=None if plan is None else plan.limited_by_rank,
-            lr_base_size=lr_base, lr_rule=_lr_rule(opts.lr_rule, trainer.optimizers[0] if trainer.optimizers else None),
+            lr_base_size=lr_base, lr_rule=lr_rule_for(opts.lr_rule, trainer.optimizers[0] if trainer.optimizers else None),
             lr_factor=factor, learning_rates=tuple(lrs), plan=plan,
         )
         logger.info("batchpilot: %s", self.setup.describe())
@@ -284,7 +289,7 @@ class ResilientModule:
             options.get("shared"), options.get("split_fn"))) * world
         start = self.batchpilot_start
         if start is None and self._batchpilot_state is None:
-            start = search_batch_size(
+            start = _search_batch_size(
                 trainer, self, batch, SizingOptions(target=options.get("target", 0.8)), limit=global_ // world,
                 layout=BatchLayout.of(options.get("shared"), options.get("split_fn")),
             )
@@ -315,7 +320,7 @@ class ResilientModule:
 # the search
 
 
-def search_batch_size(
+def _search_batch_size(
     trainer: pl.Trainer, pl_module: pl.LightningModule, example: Any, options: SizingOptions, *,
     limit: int | None = None, layout: BatchLayout | None = None,
 ) -> BatchPlan:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -24,13 +23,12 @@ import torch
 from torch import nn
 
 from ..batch import BatchLayout, SplitFn, batch_size_of
-from ..batching import _resolve_rule as _lr_rule
 from ..batching import scale_lr
 from ..distributed import find_batch_size_distributed
 from ..engine import Engine, EngineConfig, StepResult
 from ..find import find_batch_size_for
 from ..oom import attempt, free_memory
-from ._common import BatchSetup, SizingOptions, choose_batches, require
+from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
 
 require("transformers", "batchpilot.integrations.transformers")
 
@@ -155,7 +153,7 @@ def configure_batch_size(
     setup = BatchSetup(
         micro_batch_size=micro, accum_steps=accum, world_size=world, global_batch_size=new_global,
         per_rank_batch_size=per_rank, last_micro_batch_size=last, found_batch_size=plan.batch_size,
-        limited_by_rank=plan.limited_by_rank, lr_base_size=lr_base, lr_rule=_lr_rule(opts.lr_rule, opt_cls),
+        limited_by_rank=plan.limited_by_rank, lr_base_size=lr_base, lr_rule=lr_rule_for(opts.lr_rule, opt_cls),
         lr_factor=factor, learning_rates=(lr,), plan=plan,
     )
     logger.info("batchpilot: %s", setup.describe())
@@ -214,31 +212,29 @@ class ResilientTrainerMixin:
 
     def __init__(self, *args: Any, engine_config: EngineConfig | None = None,
                  shared: str | list[str] | None = None, split_fn: SplitFn | None = None, **kwargs: Any) -> None:
-        bound = inspect.signature(Trainer.__init__).bind_partial(None, *args, **kwargs)
-        targs = bound.arguments.get("args")
-        if targs is not None:
-            _check_args(targs, type(self).__name__)
-            for flag, fix in (("fp16", "use bf16=True (or fp32)"), ("auto_find_batch_size", "remove it")):
-                if getattr(targs, flag):
-                    raise ValueError(f"{type(self).__name__} cannot run with {flag}=True: {fix}")
-            if "lomo" in str(targs.optim).lower():
-                raise ValueError(f"{type(self).__name__} cannot run LOMO optimizers: they step inside the backward")
-            self._batchpilot_micro = targs.per_device_train_batch_size
-            # one optimizer step's batch in one piece; a copy, so the caller's args are untouched
-            targs = copy.copy(targs)
-            targs.per_device_train_batch_size = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
-            targs.gradient_accumulation_steps = 1
-            bound.arguments["args"] = targs
+        super().__init__(*args, **kwargs)
+        targs = self.args
+        who = type(self).__name__
+        _check_args(targs, who)
+        for flag, fix in (("fp16", "use bf16=True (or fp32)"), ("auto_find_batch_size", "remove it")):
+            if getattr(targs, flag):
+                raise ValueError(f"{who} cannot run with {flag}=True: {fix}")
+        if "lomo" in str(targs.optim).lower():
+            raise ValueError(f"{who} cannot run LOMO optimizers: they step inside the backward")
+        self._batchpilot_micro = targs.per_device_train_batch_size
+        # One optimizer step's batch in one piece, on a copy: the caller's arguments are untouched.
+        # After the Trainer's own set-up, so that any Trainer subclass's signature is kept.
+        merged = copy.copy(targs)
+        merged.per_device_train_batch_size = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
+        merged.gradient_accumulation_steps = 1
+        self.args = merged
+        self._train_batch_size = merged.train_batch_size
+        self.accelerator.gradient_accumulation_steps = 1
         self._batchpilot_config = engine_config
         self._batchpilot_layout = BatchLayout.of(shared, split_fn)
         self.batchpilot_engine: Engine | None = None
         self.batchpilot_last_step: StepResult | None = None
         self._batchpilot_context: tuple[int, Any] | None = None
-        call = dict(bound.arguments)
-        call.pop("self")
-        super().__init__(**call)  # type: ignore[call-arg]
-        if targs is None:  # the Trainer's default arguments: accumulation 1 already
-            self._batchpilot_micro = self.args.per_device_train_batch_size
 
     # ------------------------------------------------------------------ training
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
