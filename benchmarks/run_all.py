@@ -39,6 +39,7 @@ KNOWN = (
     Script("overhead", quick=("--rounds", "10", "--warmup", "2")),
     Script("ddp_overhead", quick=("--quick",), json_flag=False),
     Script("peers", quick=("--quick",)),
+    Script("integrations", quick=("--quick",)),
     Script("gpu_validate", quick=("--small",)),
 )
 

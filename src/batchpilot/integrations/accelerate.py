@@ -32,7 +32,6 @@ require("accelerate", "batchpilot.integrations.accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 
 __all__ = ["find_executable_batch_size"]
 
@@ -115,8 +114,9 @@ def _trial_mode(steps: int) -> Iterator[_Trial]:
 
 
 def _wraps_in_ddp(acc: Accelerator, model: torch.nn.Module) -> bool:
-    multi = acc.multi_device or acc.distributed_type == DistributedType.MULTI_CPU
-    return bool(multi) and any(p.requires_grad for p in model.parameters())
+    # MULTI_GPU, MULTI_CPU, MULTI_XPU, ...: the types Accelerate wraps in DistributedDataParallel
+    multi = str(getattr(acc.distributed_type, "value", acc.distributed_type)).startswith("MULTI_")
+    return multi and any(p.requires_grad for p in model.parameters())
 
 
 def _ddp_buckets(acc: Accelerator, model: torch.nn.Module) -> torch.Tensor:

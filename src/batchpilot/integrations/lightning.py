@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from ..batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn
-from ..batching import rescale_lr
+from ..batching import BatchConfig, rescale_lr
 from ..distributed import find_batch_size_distributed
 from ..engine import Engine, StepResult
 from ..find import BatchPlan
@@ -146,6 +146,8 @@ class BatchSizeCallback(Callback):
                 f"in train_dataloader(), or pass batch_arg_name="
             )
         world = trainer.world_size
+        if opts.global_batch_size is not None:  # before the search: the error names the nearest valid ones
+            BatchConfig(global_batch_size=opts.global_batch_size, world_size=world)
         configured = int(lightning_getattr(pl_module, name))
         accum = int(trainer.accumulate_grad_batches)
         lr_base = opts.lr_base_size or configured * world * accum
