@@ -92,11 +92,15 @@ def test_a_global_batch_searches_only_the_micro_batches_that_divide_it():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loader = DataLoader(TensorDataset(X, Y), batch_size=batch_size)
         model, opt, loader = accelerator.prepare(model, opt, loader)
+        steps = 0
         for x, y in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(F.cross_entropy(model(x), y))
                 opt.step()
                 opt.zero_grad()
+            steps += accelerator.sync_gradients
+            if steps == 2:
+                break
         return accum
 
     with emulate_capacity("400KiB"):
