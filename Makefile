@@ -6,13 +6,22 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; a bare `torch` requirement would pull the multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+# Every later install is constrained to that torch: lightning, transformers and accelerate accept
+# it, and must not replace it with another (CUDA) build.
+PIN    := $(VENV)/torch-constraint.txt
 
 .PHONY: venv train test bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev,cli]'
+	echo '$(TORCH)' > $(PIN)
+	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli]'
+	touch $@
+
+# the tests also cover batchpilot.integrations (Lightning, Hugging Face, Accelerate)
+$(BIN)/.integrations: $(BIN)/.installed
+	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli,integrations]'
 	touch $@
 
 venv: $(BIN)/.installed
@@ -20,11 +29,11 @@ venv: $(BIN)/.installed
 train: venv
 	$(BIN)/batchpilot train $(ARGS)
 
-test: venv
+test: venv $(BIN)/.integrations
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: venv
-	$(BIN)/pip install -q -e '.[dev,cli,bench]'
+	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli,bench]'
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
 clean:

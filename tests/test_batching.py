@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from batchpilot.batching import (
+    config_for_limit,
     ADAPTIVE_OPTIMIZERS,
     LR_SCALE_RULES,
     BatchConfig,
@@ -240,6 +241,38 @@ def test_split_sizes(total: int, micro: int, expected: list[int]) -> None:
 def test_split_sizes_rejects(total, micro, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         split_sizes(total, micro)
+
+
+@pytest.mark.parametrize(
+    ("global_", "limit", "world", "expected"),
+    [
+        (256, 47, 1, (32, 8)),    # the largest divisor of 256 up to 47
+        (256, 300, 1, (256, 1)),  # the whole batch fits
+        (96, 40, 1, (32, 3)),
+        (256, 47, 2, (32, 4)),    # per rank 128
+        (97, 10, 1, (1, 97)),     # a prime: only 1 divides it
+        (120, 7, 4, (6, 5)),      # per rank 30
+        (8, 1, 8, (1, 1)),
+    ],
+)
+def test_config_for_limit_takes_the_largest_dividing_micro_batch(global_, limit, world, expected) -> None:
+    cfg = config_for_limit(global_, limit, world_size=world)
+    assert (cfg.micro_batch_size, cfg.accum_steps) == expected
+    assert cfg.global_batch_size == global_ and cfg.micro_batch_size * world * cfg.accum_steps == global_
+    per_rank = global_ // world
+    # nothing between it and the limit divides the per-rank batch
+    assert not [d for d in range(cfg.micro_batch_size + 1, min(limit, per_rank) + 1) if per_rank % d == 0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [({"global_batch_size": 255, "max_micro_batch_size": 8, "world_size": 2}, "nearest valid global_batch_size: 254 or 256"),
+     ({"global_batch_size": 64, "max_micro_batch_size": 0}, "max_micro_batch_size must be a positive int"),
+     ({"global_batch_size": 0, "max_micro_batch_size": 4}, "global_batch_size must be a positive int")],
+)
+def test_config_for_limit_rejects(kwargs, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        config_for_limit(**kwargs)
 
 
 # -- is_adaptive / scale_lr ---------------------------------------------------------------------

@@ -294,6 +294,32 @@ def test_peers_quick_every_method(tmp_path):
         assert r["vs_peer"] is not None, r
 
 
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="needs Lightning: pip install -e '.[integrations]'")
+@pytest.mark.timeout(900)
+def test_integrations_quick_callback_against_lightnings_finder(tmp_path):
+    """batchpilot's Lightning callback and Lightning's BatchSizeFinder under one real cap, in fresh processes."""
+    out = tmp_path / "integrations.json"
+    proc = run_script("integrations.py", "--quick", "--cap-mib", "8", "--no-cache", "--methods",
+                      "batchpilot-callback,lightning-power", "--json", str(out))
+    assert "found/true" in proc.stdout and "÷ lightning-power" in proc.stdout
+    doc = json.loads(out.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == ["batchpilot-callback", "lightning-power"]
+    for r in rows.values():
+        assert r["outcome"] == "ok", r
+        assert r["found"] and r["trials"] >= 2 and r["seconds"] > 0 and r["found_over_true"] is not None
+    # Lightning's power search ends at a power of two; batchpilot's at the boundary of its capacity
+    assert rows["lightning-power"]["found"] & (rows["lightning-power"]["found"] - 1) == 0
+    assert rows["lightning-power"]["vs_peer"] == pytest.approx(1.0)
+
+
+def test_integrations_rejects_unknown_methods():
+    proc = subprocess.run([sys.executable, str(BENCH / "integrations.py"), "--methods", "lightning-magic"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "unknown method 'lightning-magic'" in proc.stderr
+
+
 @pytest.mark.skipif(CGROUP_REASON is not None, reason=f"no memory cgroup here: {CGROUP_REASON}")
 @pytest.mark.timeout(900)
 def test_peers_container_quick(tmp_path):
@@ -335,7 +361,8 @@ def test_peers_container_says_why_it_cannot_run(tmp_path):
 def test_run_all_lists_the_scripts_in_order():
     proc = run_script("run_all.py", "--list", "--quick", timeout=120)
     names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]
-    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "speed", "gpu_validate", "compiled")
+    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "speed", "integrations",
+                           "gpu_validate", "compiled")
                if (BENCH / f"{n}.py").exists()]
     assert names[: len(present)] == present
     assert "run_all" not in names and not any(n.startswith("_") for n in names)

@@ -310,6 +310,23 @@ def test_max_batch_size_bounds_the_search():
     assert max(t.batch_size for t in plan.trials) == 5
 
 
+def test_search_runs_the_built_step_under_another_search():
+    from batchpilot.distributed import find_batch_size_distributed
+
+    model, opt, batch = setup("cnn")
+    calls = []
+
+    def search(step, **kw):
+        calls.append(sorted(kw))
+        return find_batch_size_distributed(step, **kw)
+
+    kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
+    plan = find_batch_size_for(model, batch, search=search, **kw)
+    assert calls == [["capacity", "device", "restore"]]
+    # no process group: the distributed search is the local one, rank 0 limiting
+    assert plan.limited_by_rank == 0 and plan.batch_size == find_batch_size_for(model, batch, **kw).batch_size
+
+
 def test_eval_mode_runs_under_inference_mode_and_fits_more():
     model, opt, batch = setup("cnn")
     seen = []

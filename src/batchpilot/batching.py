@@ -26,6 +26,7 @@ __all__ = [
     "ADAPTIVE_OPTIMIZERS",
     "LR_SCALE_RULES",
     "BatchConfig",
+    "config_for_limit",
     "is_adaptive",
     "rescale_lr",
     "scale_lr",
@@ -215,6 +216,37 @@ def _explain_indivisible(global_: int, world: int, *, micro: int | None, accum: 
         f", or {known_name} {_either(_divisors_around(per_rank, known))} "
         f"(divisors of global / world = {per_rank} nearest to {known})"
     )
+
+
+def config_for_limit(
+    global_batch_size: int, max_micro_batch_size: int, *, world_size: int | None = None
+) -> BatchConfig:
+    """The config holding ``global_batch_size`` with the largest micro-batch at most ``max_micro_batch_size``.
+
+    Loops that accumulate whole micro-batches of one size (Lightning's ``accumulate_grad_batches``,
+    Hugging Face's ``gradient_accumulation_steps``, Accelerate's ``accumulate``) need a micro-batch
+    that divides the per-rank batch ``global / world``; this is its largest divisor not above the
+    limit (a finder's answer). Examples with one rank: ``(256, 47)`` → micro 32 × accum 8;
+    ``(256, 300)`` → micro 256 × accum 1; ``(96, 40)`` → micro 32 × accum 3.
+
+    Raises:
+        ValueError: a value that is not a positive int, or a global batch that does not divide by the
+            world size (the message suggests the nearest that do).
+    """
+    max_micro = positive_int("max_micro_batch_size", max_micro_batch_size)
+    whole = BatchConfig(global_batch_size=global_batch_size, world_size=world_size)
+    per_rank = whole.micro_batch_size
+    micro = max(d for d in _divisors_up_to(per_rank, max_micro))
+    return whole.with_micro_batch_size(micro)
+
+
+def _divisors_up_to(n: int, limit: int) -> list[int]:
+    """The divisors of ``n`` that are at most ``limit`` (1 always is)."""
+    out = {1}
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            out.update(x for x in (d, n // d) if x <= limit)
+    return sorted(out)
 
 
 def split_sizes(total: int, micro: int) -> list[int]:

@@ -796,6 +796,7 @@ def find_batch_size_for(
     shared: str | Iterable[str] | None = None,
     split_fn: SplitFn | None = None,
     objective: Literal["memory", "throughput"] | None = None,
+    search: Callable[..., BatchPlan] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
     amp_dtype: torch.dtype | None = None,
     **options: Any,
@@ -832,6 +833,9 @@ def find_batch_size_for(
             about as fast, see :func:`find_batch_size`); ``None``: ``"throughput"`` for
             ``mode="eval"``, where the batch is only a speed knob, ``"memory"`` for training,
             where it is a hyperparameter that should not move with the machine's load.
+        search: the search the step runs under, called as ``search(step, device=, restore=,
+            **options)``: :func:`find_batch_size` (default), or
+            :func:`batchpilot.distributed.find_batch_size_distributed` to agree across ranks.
         forward: deprecated: pass the same function as ``loss_fn``.
         amp_dtype: deprecated spelling of ``amp``.
         **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
@@ -896,16 +900,17 @@ def find_batch_size_for(
         with torch.inference_mode(), autocast(dev.type, dtype):
             fwd(model, data)
 
+    run = find_batch_size if search is None else search
     if mode == "eval":
         flags = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
-            plan = find_batch_size(eval_step, device=device, restore=targets, **options)
+            plan = run(eval_step, device=device, restore=targets, **options)
         finally:
             for m, flag in flags:
                 m.training = flag
     else:
-        plan = find_batch_size(train_step, device=device, restore=targets, **options)
+        plan = run(train_step, device=device, restore=targets, **options)
     if seed is not None:
         plan.plan_seconds = seed.seconds
         plan.seconds += seed.seconds

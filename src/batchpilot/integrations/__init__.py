@@ -1,0 +1,35 @@
+"""batchpilot where people already train: Lightning, Hugging Face ``Trainer`` and Accelerate.
+
+Each integration is its own module and imports only its own framework, on first use:
+
+- :mod:`batchpilot.integrations.lightning`: ``BatchSizeCallback`` sizes the batch at fit start
+  (any number of DDP ranks) and ``ResilientModule`` trains through OOMs under manual optimization;
+- :mod:`batchpilot.integrations.transformers`: ``plan_batch_size`` fills ``TrainingArguments``
+  before the ``Trainer`` is built, and ``ResilientTrainer`` survives OOMs in training and evaluation;
+- :mod:`batchpilot.integrations.accelerate`: a drop-in ``find_executable_batch_size`` with the
+  finder's search and agreement between ranks.
+
+``pip install 'batchpilot[integrations]'`` installs the three frameworks at the versions tested.
+Importing this package imports none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ._common import BatchSetup, SizingOptions
+
+__all__ = ["BatchSetup", "SizingOptions", "lightning", "transformers", "accelerate"]
+
+_MODULES = ("lightning", "transformers", "accelerate")
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'batchpilot.integrations' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,208 @@
+"""What the three integrations share: their sizing options, the batch setup they report, imports."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from dataclasses import asdict, dataclass, field, fields
+from types import ModuleType
+from typing import Any
+
+from .._checks import positive_int
+from ..batching import LR_SCALE_RULES, BatchConfig, config_for_limit, is_adaptive
+from ..find import BatchPlan, FinderConfig
+from ..policy import efficient_size
+
+__all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "lr_rule_for"]
+
+logger = logging.getLogger(__name__)
+
+#: keywords of find_batch_size that an integration sets itself
+_OWNED = ("device", "restore", "max_batch_size", "target", "capacity", "strategy", "steps_per_trial")
+
+
+def require(module: str, extra_hint: str) -> ModuleType:
+    """Import ``module`` or fail with an ImportError that names the extra to install.
+
+    Raises:
+        ImportError: ``module`` is not installed (the message says how to install it).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{extra_hint} needs {module.split('.')[0]}, which is not installed: "
+            f"pip install 'batchpilot[integrations]' (or pip install {module.split('.')[0]})"
+        ) from exc
+
+
+@dataclass(kw_only=True)
+class SizingOptions:
+    """How an integration sizes the batch; validated before anything runs.
+
+    Attributes:
+        global_batch_size: samples per optimizer step over all ranks to hold fixed: the micro-batch
+            and the accumulation are chosen for it. ``None``: the largest micro-batch that fits, with
+            the accumulation the job was configured with (the global batch then changes, and the
+            learning rate follows by ``lr_rule``).
+        lr_base_size: the global batch the learning rate was tuned for; ``None``: the global batch
+            the job was configured with before sizing.
+        lr_rule: how the learning rate follows the global batch: ``"auto"`` (sqrt for Adam-like
+            optimizers, linear otherwise), ``"linear"``, ``"sqrt"`` or ``"none"``
+            (:func:`batchpilot.batching.scale_lr`).
+        target: fraction of the device memory a trial's peak may use, in (0, 1].
+        capacity: device memory to size for (bytes or ``"24GiB"``); default the device's own.
+        strategy: the finder's search: ``"predict"``, ``"binsearch"``, ``"power"`` or ``"decay"``.
+        max_batch_size: the largest per-device batch to try; the integration also caps it at the
+            per-rank batch and at the dataset's length.
+        steps_per_trial: training steps per trial (2 puts the optimizer state in the peak).
+        find_options: any other keyword of :func:`batchpilot.find.find_batch_size`
+            (``max_trials``, ``tolerance``, ...).
+
+    Raises:
+        ValueError: a size that is not a positive int, an unknown ``lr_rule``, or a keyword of
+            ``find_options`` that the fields above set.
+        batchpilot.find.BatchSizeError: a target, capacity, strategy or count the finder refuses.
+    """
+
+    global_batch_size: int | None = None
+    lr_base_size: int | None = None
+    lr_rule: str = "auto"
+    target: float = 0.8
+    capacity: int | str | None = None
+    strategy: str = "predict"
+    max_batch_size: int | None = None
+    steps_per_trial: int = 2
+    find_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "lr_base_size"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if self.lr_rule not in LR_SCALE_RULES:
+            raise ValueError(f"unknown lr_rule {self.lr_rule!r}; use one of {', '.join(LR_SCALE_RULES)}")
+        known = {f.name for f in fields(FinderConfig)}
+        unknown = sorted(set(self.find_options) - known - set(_OWNED))
+        if unknown:
+            raise ValueError(
+                f"find_options has {', '.join(map(repr, unknown))}, which find_batch_size does not take; "
+                f"it takes {', '.join(sorted(known - set(_OWNED)))}"
+            )
+        clash = sorted(set(self.find_options) & set(_OWNED))
+        if clash:
+            raise ValueError(
+                f"find_options may not set {', '.join(clash)}: pass them as arguments of their own "
+                "(the integration sets the device and what to restore itself)"
+            )
+        # the finder's own validation, before any trial (BatchSizeError names the fix)
+        checked = FinderConfig(target=self.target, capacity=self.capacity, strategy=self.strategy,
+                               max_batch_size=self.max_batch_size, steps_per_trial=self.steps_per_trial,
+                               **self.find_options)
+        self.capacity = checked.capacity
+
+    def finder_kwargs(self, limit: int | None) -> dict[str, Any]:
+        """Keywords for the finder, with ``max_batch_size`` the smaller of the option and ``limit``."""
+        caps = [c for c in (self.max_batch_size, limit) if c is not None]
+        return dict(self.find_options, target=self.target, capacity=self.capacity, strategy=self.strategy,
+                    steps_per_trial=self.steps_per_trial, max_batch_size=min(caps) if caps else None)
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatchSetup:
+    """The batch sizes an integration chose, and the learning rate that follows from them.
+
+    ``global_batch_size == per_rank_batch_size × world_size``, and each rank's batch is
+    ``accum_steps`` micro-batches of ``micro_batch_size`` (the last one smaller when
+    ``last_micro_batch_size`` says so).
+
+    Attributes:
+        micro_batch_size: samples per forward and backward pass on one device.
+        accum_steps: micro-batches per optimizer step on each rank.
+        world_size: data-parallel ranks.
+        global_batch_size: samples per optimizer step over all ranks.
+        per_rank_batch_size: samples per optimizer step on one rank.
+        last_micro_batch_size: the size of each rank's last micro-batch.
+        found_batch_size: the finder's per-device answer, agreed over ranks (``None`` when no
+            search ran).
+        limited_by_rank: the rank whose memory set ``found_batch_size``.
+        lr_base_size: the global batch the learning rate was tuned for.
+        lr_rule: the rule applied (``"auto"`` resolved to ``"linear"`` or ``"sqrt"``).
+        lr_factor: what the learning rates were multiplied by (1.0 when the global batch is the base).
+        learning_rates: the learning rates after scaling, one per optimizer param group.
+        plan: the finder's plan on this rank (trials, memory fit), or ``None``.
+    """
+
+    micro_batch_size: int
+    accum_steps: int
+    world_size: int
+    global_batch_size: int
+    per_rank_batch_size: int
+    last_micro_batch_size: int
+    found_batch_size: int | None = None
+    limited_by_rank: int | None = None
+    lr_base_size: int
+    lr_rule: str
+    lr_factor: float = 1.0
+    learning_rates: tuple[float, ...] = ()
+    plan: BatchPlan | None = None
+
+    def describe(self) -> str:
+        """One line, e.g. ``global 256 = micro 32 × world 2 × accum 4; lr × 1.41 (sqrt from 128)``."""
+        head = (f"global {self.global_batch_size} = micro {self.micro_batch_size} × world {self.world_size} "
+                f"× accum {self.accum_steps}")
+        if self.last_micro_batch_size != self.micro_batch_size:
+            head += f" (last micro-batch {self.last_micro_batch_size})"
+        if self.lr_factor != 1.0:
+            head += f"; lr × {self.lr_factor:.4g} ({self.lr_rule} from {self.lr_base_size})"
+        return head
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (the plan as :meth:`BatchPlan.to_dict`)."""
+        out = asdict(self)
+        out["plan"] = None if self.plan is None else self.plan.to_dict()
+        out["learning_rates"] = list(self.learning_rates)
+        return out
+
+
+def lr_rule_for(rule: str, optimizer: Any) -> str:
+    """The rule :func:`batchpilot.batching.scale_lr` applies: ``"auto"`` is sqrt for adaptive optimizers, else linear."""
+    if rule != "auto":
+        return rule
+    return "sqrt" if is_adaptive(optimizer) else "linear"
+
+
+def choose_batches(found: int, *, world_size: int, global_batch_size: int | None, accum_steps: int,
+                   whole_micro_batches: bool) -> tuple[int, int, int, int]:
+    """``(micro, accum, per_rank, last_micro)`` for a finder's answer ``found``.
+
+    With a global batch to hold, ``whole_micro_batches`` (a loop that accumulates equal
+    micro-batches) takes the largest divisor of the per-rank batch up to ``found``
+    (:func:`batchpilot.batching.config_for_limit`); otherwise (batchpilot's engine, which cuts a
+    smaller last micro-batch) the micro-batch is the one the engine starts with: the smallest that
+    needs as few micro-batches as ``found`` (:func:`batchpilot.policy.efficient_size`).
+    Without one, the micro-batch is ``found`` and ``accum_steps`` is kept.
+
+    Raises:
+        ValueError: the global batch does not divide by the world size.
+    """
+    if global_batch_size is None:
+        cfg = BatchConfig(micro_batch_size=found, accum_steps=accum_steps, world_size=world_size)
+        return cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps, cfg.micro_batch_size
+    if whole_micro_batches:
+        cfg = config_for_limit(global_batch_size, found, world_size=world_size)
+        if cfg.micro_batch_size < 0.75 * min(found, cfg.micro_batch_size * cfg.accum_steps):
+            step = found * cfg.world_size
+            below = global_batch_size // step * step
+            near = " or ".join(str(g) for g in (below, below + step) if g > 0)
+            logger.warning(
+                "micro-batches of %d fit, but global_batch_size=%d splits into micro-batches of %d at most; "
+                "a global batch of %s would use the memory fully", found, global_batch_size,
+                cfg.micro_batch_size, near,
+            )
+        return cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps, cfg.micro_batch_size
+    per_rank = BatchConfig(global_batch_size=global_batch_size, world_size=world_size).micro_batch_size
+    # the engine balances its micro-batches: 64 + 64, not 65 + 63 (batchpilot.policy.efficient_size)
+    micro = efficient_size(per_rank, found)
+    accum = math.ceil(per_rank / micro)
+    return micro, accum, per_rank, per_rank - (accum - 1) * micro

@@ -1,0 +1,138 @@
+"""What the integrations share, without any framework: options, the batch choice, the report, lazy imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from batchpilot.find import BatchSizeError
+from batchpilot.integrations import BatchSetup, SizingOptions
+from batchpilot.integrations._common import choose_batches
+
+FRAMEWORKS = ("lightning", "transformers", "accelerate")
+
+
+@pytest.mark.parametrize(
+    ("found", "world", "global_", "accum", "whole", "expected"),
+    [
+        # a global batch, equal micro-batches (Lightning / HF / Accelerate accumulation)
+        (47, 1, 256, 1, True, (32, 8, 256, 32)),
+        (47, 2, 256, 1, True, (32, 4, 128, 32)),
+        (500, 2, 256, 1, True, (128, 1, 128, 128)),
+        # a global batch, the engine's balanced micro-batches (a smaller last one when needed)
+        (65, 1, 128, 1, False, (64, 2, 128, 64)),
+        (50, 1, 128, 1, False, (43, 3, 128, 42)),
+        (39, 2, 128, 1, False, (32, 2, 64, 32)),
+        (200, 1, 128, 1, False, (128, 1, 128, 128)),
+        # no global batch: the micro-batch found, the accumulation kept
+        (47, 2, None, 3, True, (47, 3, 141, 47)),
+        (47, 1, None, 1, False, (47, 1, 47, 47)),
+    ],
+)
+def test_choose_batches(found, world, global_, accum, whole, expected):
+    micro, steps, per_rank, last = choose_batches(found, world_size=world, global_batch_size=global_,
+                                                  accum_steps=accum, whole_micro_batches=whole)
+    assert (micro, steps, per_rank, last) == expected
+    assert micro <= found and (steps - 1) * micro + last == per_rank
+    if global_ is not None:
+        assert per_rank * world == global_
+
+
+def test_choose_batches_names_the_global_batches_that_would_use_the_memory(caplog):
+    choose_batches(15, world_size=1, global_batch_size=64, accum_steps=1, whole_micro_batches=True)
+    assert "a global batch of 60 or 75 would use the memory fully" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr_rule": "cubic"}, ValueError, "unknown lr_rule 'cubic'; use one of auto, linear, sqrt, none"),
+        ({"global_batch_size": -4}, ValueError, "global_batch_size must be a positive int"),
+        ({"lr_base_size": True}, ValueError, "lr_base_size must be a positive int"),
+        ({"target": 0}, BatchSizeError, "target must be a fraction"),
+        ({"capacity": "lots"}, BatchSizeError, "lots"),
+        ({"strategy": "guess"}, BatchSizeError, "unknown strategy 'guess'"),
+        ({"steps_per_trial": 0}, BatchSizeError, "steps_per_trial must be a positive int"),
+        ({"find_options": {"restore": ()}}, ValueError, "find_options may not set restore"),
+        ({"find_options": {"tolerence": 0.1}}, ValueError, "'tolerence', which find_batch_size does not take"),
+        ({"find_options": {"max_trials": 0}}, BatchSizeError, "max_trials must be a positive int"),
+    ],
+)
+def test_sizing_options_are_checked_before_anything_runs(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SizingOptions(**kwargs)
+
+
+def test_sizing_options_give_the_finder_the_tighter_limit():
+    opts = SizingOptions(capacity="2MiB", max_batch_size=100, find_options={"max_trials": 9})
+    assert opts.capacity == 2 * 2**20
+    kw = opts.finder_kwargs(64)
+    assert kw == {"max_trials": 9, "target": 0.8, "capacity": 2 * 2**20, "strategy": "predict",
+                  "steps_per_trial": 2, "max_batch_size": 64}
+    assert opts.finder_kwargs(None)["max_batch_size"] == 100
+    assert SizingOptions().finder_kwargs(None)["max_batch_size"] is None
+
+
+def test_batch_setup_describes_itself_and_is_json():
+    s = BatchSetup(micro_batch_size=43, accum_steps=3, world_size=2, global_batch_size=256, per_rank_batch_size=128,
+                   last_micro_batch_size=42, found_batch_size=50, limited_by_rank=1, lr_base_size=64, lr_rule="sqrt",
+                   lr_factor=2.0, learning_rates=(2e-3,))
+    assert s.describe() == "global 256 = micro 43 × world 2 × accum 3 (last micro-batch 42); lr × 2 (sqrt from 64)"
+    doc = json.loads(json.dumps(s.to_dict()))
+    assert doc["plan"] is None and doc["learning_rates"] == [2e-3] and doc["limited_by_rank"] == 1
+
+
+def test_importing_the_package_imports_no_framework():
+    code = ("import sys, batchpilot.integrations as i\n"
+            f"print(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules), i.__all__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("[] ")
+
+
+def test_each_integration_names_the_extra_when_its_framework_is_missing():
+    # None in sys.modules makes an import fail as if the package were not installed
+    code = ("import sys\n"
+            f"for m in {FRAMEWORKS!r}: sys.modules[m] = None\n"
+            f"for m in {FRAMEWORKS!r}:\n"
+            "    try:\n        __import__('batchpilot.integrations.' + m)\n"
+            "    except ImportError as e:\n        print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == 3
+    for name, line in zip(FRAMEWORKS, lines):
+        assert line == (f"batchpilot.integrations.{name} needs {name}, which is not installed: "
+                        f"pip install 'batchpilot[integrations]' (or pip install {name})")
+
+
+def test_each_integration_imports_without_the_other_two():
+    present = [f for f in FRAMEWORKS if importlib.util.find_spec(f) is not None]
+    if not present:
+        pytest.skip("needs lightning, transformers or accelerate: pip install -e '.[integrations]'")
+    # Each framework is imported first: what it imports of the others (Lightning looks for
+    # transformers) is its own business. Then the other two are made uninstalled (None in
+    # sys.modules) while batchpilot's module is imported. The Trainer needs Accelerate itself
+    # (transformers[torch] requires it), so only Lightning is blocked there.
+    code = f"""
+import importlib, sys
+frameworks = {FRAMEWORKS!r}
+for name in {present!r}:
+    importlib.import_module(name)
+    if name == "transformers":
+        import transformers.trainer
+    blocked = [f for f in frameworks if f != name and not (name == "transformers" and f == "accelerate")]
+    saved = {{f: sys.modules.pop(f, None) for f in blocked}}
+    sys.modules.update(dict.fromkeys(blocked))
+    importlib.import_module("batchpilot.integrations." + name)
+    for f, mod in saved.items():
+        del sys.modules[f]
+        if mod is not None:
+            sys.modules[f] = mod
+    print(name)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == present
