@@ -211,7 +211,7 @@ class AdaptiveSchedule(BatchSchedule):
         min_batch_size: the smallest global batch, and the first unless ``start``; default
             the engine's ``global_batch_size`` // 8.
         max_batch_size: the largest; default the engine's ``global_batch_size``.
-        granule: batches are multiples of ``world × granule``.
+        granule: batches are multiples of ``world × granule`` (8: sizes that suit accelerators).
         every: steps between changes (and before the first).
         max_factor: the most one change may multiply (or, with ``decrease``, divide) the batch by.
         decrease: let the batch shrink when the noise scale falls.
@@ -224,7 +224,7 @@ class AdaptiveSchedule(BatchSchedule):
     k: float = 1.0
     min_batch_size: int | None = None
     max_batch_size: int | None = None
-    granule: int = 1
+    granule: int = 8
     every: int = 10
     max_factor: float = 2.0
     decrease: bool = False
