@@ -40,6 +40,7 @@ KNOWN = (
     Script("ddp_overhead", quick=("--quick",), json_flag=False),
     Script("peers", quick=("--quick",)),
     Script("gpu_validate", quick=("--small",)),
+    Script("noise", quick=("--quick",)),
 )
 
 
