@@ -328,3 +328,34 @@ def test_the_accelerator_path_keeps_tensors_and_agrees(monkeypatch, case):
         for key in ("grad_sq", "trace", "grad_sq_ema", "trace_ema"):
             assert float(getattr(b.noise, key)) == pytest.approx(getattr(a.noise, key), rel=1e-5), key
     assert tensors[-1].noise_scale == pytest.approx(floats[-1].noise_scale, rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_measurement_adds_no_host_sync_and_keeps_tensors():
+    import warnings
+
+    device = torch.device("cuda")
+
+    def syncs(noise) -> tuple[int, Engine]:
+        model, opt, w_star, _ = regression()
+        model.to(device)
+        engine = Engine(model, opt, half_mse, global_batch_size=64, micro_batch_size=8, noise=noise)
+        g = torch.Generator().manual_seed(1)
+        batch = tuple(t.to(device) for t in draw(w_star, 64, g))
+        engine.step(batch)  # warm-up: lazy state, kernels
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = engine.step(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught), result
+
+    base, _ = syncs(False)
+    for mode in ("first", "every"):
+        extra, result = syncs(NoiseConfig(mode=mode))
+        assert extra == base, f"{mode}: {extra - base} more host syncs per step"
+        assert isinstance(result.noise.trace_ema, torch.Tensor) and result.noise.trace_ema.is_cuda
+        assert math.isfinite(result.noise_scale)
