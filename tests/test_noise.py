@@ -359,3 +359,31 @@ def test_on_cuda_the_measurement_adds_no_host_sync_and_keeps_tensors():
         assert extra == base, f"{mode}: {extra - base} more host syncs per step"
         assert isinstance(result.noise.trace_ema, torch.Tensor) and result.noise.trace_ema.is_cuda
         assert math.isfinite(result.noise_scale)
+
+
+def test_a_coordinator_that_cannot_sum_the_norms_gets_no_measurement():
+    class OldWorld:  # a user's coordinator from before the noise scale: no sync_gradients_and_sum
+        world_size, defer_grad_sync = 2, True
+
+        def agree_oom(self, oom):
+            return oom
+
+        def agree_micro_batch(self, size):
+            return size
+
+        def agree(self, oom, size):
+            return oom, size
+
+        def total_count(self, count):
+            return count
+
+        def sync_gradients(self, model):
+            return None
+
+    model, opt = make("mlp")
+    engine = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld())
+    assert engine.noise_meter is None
+    assert engine.step(next(batches(model, 8, 1))).noise is None
+    with pytest.raises(ValueError, match="OldWorld over 2 ranks cannot sum the noise scale's norms.*DistributedCoordinator"):
+        Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld(),
+               schedule=AdaptiveSchedule())

@@ -31,7 +31,7 @@ from .amp import amp_dtype as _amp_dtype
 from .amp import autocast
 from .batch import BatchLayout, BatchSplitter, SplitFn
 from .loss import as_loss_fn, parse_loss
-from .noise import NoiseConfig, NoiseMeter, NoiseSample
+from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
 from .oom import attempt, free_memory
 from .policy import MicroBatchPolicy, PeakFit, accum_steps
 from .schedule import BatchSchedule, SchedulePoint
@@ -321,7 +321,12 @@ class Engine:
         self._apply_peak = 0
         # statistical efficiency: the noise scale (batchpilot.noise) and a global-batch schedule
         self.schedule = schedule
-        self.noise_meter: NoiseMeter | None = self._make_noise_meter(noise, schedule)
+        if schedule is not None and not isinstance(schedule, BatchSchedule):
+            raise TypeError(f"schedule must be a batchpilot.schedule.BatchSchedule, got {type(schedule).__name__}")
+        self.noise_meter: NoiseMeter | None = make_meter(
+            noise, world=self._world, coordinator=self.coordinator,
+            follower=None if schedule is None or not schedule.reads_noise else schedule.describe(),
+        )
         self._reference = self._global  # the batch the optimizer's LR is set for
         self.samples_seen = 0  # over all ranks
         self._last_change = 0
@@ -621,30 +626,6 @@ class Engine:
             self._micro_cap = (int(cap[0]), int(cap[1]))
 
     # ------------------------------------------------------------------ schedule and noise
-    def _make_noise_meter(self, noise: bool | NoiseConfig, schedule: BatchSchedule | None) -> NoiseMeter | None:
-        if schedule is not None and not isinstance(schedule, BatchSchedule):
-            raise TypeError(f"schedule must be a batchpilot.schedule.BatchSchedule, got {type(schedule).__name__}")
-        needs = schedule is not None and schedule.reads_noise
-        if noise is False:
-            if needs:
-                raise ValueError(f"the {schedule.describe()} schedule follows the gradient noise scale; "
-                                 "leave noise on (noise=True or a NoiseConfig)")
-            return None
-        if noise is True:
-            noise = NoiseConfig()
-        if not isinstance(noise, NoiseConfig):
-            raise TypeError(f"noise must be True, False or a batchpilot.noise.NoiseConfig, got {type(noise).__name__}")
-        coord = self.coordinator
-        if self._world > 1 and not (hasattr(coord, "sync_gradients_and_sum") and hasattr(coord, "sum_over_ranks")):
-            message = (f"{type(coord).__name__} over {self._world} ranks cannot sum the noise scale's norms "
-                       "(no sync_gradients_and_sum / sum_over_ranks)")
-            if needs:
-                raise ValueError(message + "; use batchpilot.distributed.DistributedCoordinator")
-            logger.info("%s: the gradient noise scale is not measured", message)
-            return None
-        split = needs if noise.split == "auto" else bool(noise.split)
-        return NoiseMeter(noise, world=self._world, deferred=bool(coord.defer_grad_sync), split=split)
-
     def _commit_noise(self, skip_reason: str | None) -> NoiseSample | None:
         """Fold the step's measurement into the EMAs, unless the step was skipped (fp16 inf, all padding)."""
         pending, self._pending_noise = self._pending_noise, None

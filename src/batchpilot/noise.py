@@ -26,6 +26,7 @@ __all__ = [
     "NoiseMeter",
     "NoiseSample",
     "NoiseScale",
+    "make_meter",
     "population_factor",
     "squared_norm",
     "unbiased_estimates",
@@ -516,3 +517,34 @@ class NoiseMeter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale.load_state_dict(state)
+
+
+def make_meter(noise: bool | NoiseConfig, *, world: int, coordinator: Any, follower: str | None = None) -> NoiseMeter | None:
+    """The engine's meter for ``noise`` (``True``, ``False`` or a :class:`NoiseConfig`), or ``None``.
+
+    ``follower`` names a schedule that reads the noise scale: it makes a missing measurement an
+    error and turns ``split="auto"`` on. Over several ranks the coordinator must sum the local
+    norms (``sync_gradients_and_sum`` and ``sum_over_ranks``); without them nothing is measured.
+
+    Raises:
+        TypeError: ``noise`` is not a bool or a :class:`NoiseConfig`.
+        ValueError: ``follower`` is set and the noise scale would not be measured.
+    """
+    if noise is False:
+        if follower is not None:
+            raise ValueError(f"the {follower} schedule follows the gradient noise scale; "
+                             "leave noise on (noise=True or a NoiseConfig)")
+        return None
+    if noise is True:
+        noise = NoiseConfig()
+    if not isinstance(noise, NoiseConfig):
+        raise TypeError(f"noise must be True, False or a batchpilot.noise.NoiseConfig, got {type(noise).__name__}")
+    if world > 1 and not (hasattr(coordinator, "sync_gradients_and_sum") and hasattr(coordinator, "sum_over_ranks")):
+        message = (f"{type(coordinator).__name__} over {world} ranks cannot sum the noise scale's norms "
+                   "(no sync_gradients_and_sum / sum_over_ranks)")
+        if follower is not None:
+            raise ValueError(message + "; use batchpilot.distributed.DistributedCoordinator")
+        logger.info("%s: the gradient noise scale is not measured", message)
+        return None
+    split = follower is not None if noise.split == "auto" else bool(noise.split)
+    return NoiseMeter(noise, world=world, deferred=bool(getattr(coordinator, "defer_grad_sync", False)), split=split)
