@@ -294,6 +294,10 @@ def test_set_global_batch_size_checks_the_world_and_rescales():
     assert (engine.global_batch_size, engine.per_rank_batch_size) == (256, 64)
     assert engine.set_global_batch_size(256) == 1.0
     assert engine.set_global_batch_size(128, lr_rule=None) == 1.0 and opt.param_groups[0]["lr"] == pytest.approx(2e-3)
+    by_spec = Engine(model, opt, CE, global_batch_size=64, start=16, coordinator=World(), schedule="ramp:16,16,100")
+    assert by_spec.schedule == RampSchedule(start=16, increment=16, samples=100) and by_spec.global_batch_size == 16
+    with pytest.raises(ValueError, match="unknown batch schedule 'adaptiv'"):
+        Engine(model, opt, CE, global_batch_size=64, schedule="adaptiv")
 
 
 def test_a_schedule_starts_from_the_reference_lr_and_warns_a_loader_that_does_not_follow(caplog):

@@ -34,7 +34,7 @@ from .loss import as_loss_fn, parse_loss
 from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
 from .oom import attempt, free_memory
 from .policy import MicroBatchPolicy, PeakFit, accum_steps
-from .schedule import BatchSchedule, SchedulePoint
+from .schedule import BatchSchedule, SchedulePoint, parse_schedule
 
 __all__ = [
     "BatchDoesNotFitError",
@@ -206,7 +206,8 @@ class Engine:
         config: adaptive knobs, see :class:`EngineConfig`.
         noise: measure the gradient noise scale (:mod:`batchpilot.noise`): ``True`` (default,
             ``NoiseConfig()``), a :class:`~batchpilot.noise.NoiseConfig`, or ``False``.
-        schedule: a global-batch schedule (:mod:`batchpilot.schedule`); ``global_batch_size`` is
+        schedule: a global-batch schedule (:mod:`batchpilot.schedule`), or its spec for
+            :func:`~batchpilot.schedule.parse_schedule` (``"adaptive"``); ``global_batch_size`` is
             then the batch the optimizer's LR is set for, and the engine moves to the
             schedule's batch from the first step, rescaling the LR (and the scheduler's base LRs)
             by the schedule's rule at every change. Give each step :attr:`per_rank_batch_size`
@@ -248,7 +249,7 @@ class Engine:
         shared: str | Iterable[str] | None = None,
         split_fn: SplitFn | None = None,
         noise: bool | NoiseConfig = True,
-        schedule: BatchSchedule | None = None,
+        schedule: BatchSchedule | str | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
         self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator()
@@ -320,9 +321,12 @@ class Engine:
         # peak of the last gradient sync + optimizer step; it does not depend on the micro-batch
         self._apply_peak = 0
         # statistical efficiency: the noise scale (batchpilot.noise) and a global-batch schedule
-        self.schedule = schedule
+        if isinstance(schedule, str):
+            schedule = parse_schedule(schedule)
         if schedule is not None and not isinstance(schedule, BatchSchedule):
-            raise TypeError(f"schedule must be a batchpilot.schedule.BatchSchedule, got {type(schedule).__name__}")
+            raise TypeError(f"schedule must be a batchpilot.schedule.BatchSchedule or its spec (\"ramp:32,32,10000\"), "
+                            f"got {type(schedule).__name__}")
+        self.schedule: BatchSchedule | None = schedule
         self.noise_meter: NoiseMeter | None = make_meter(
             noise, world=self._world, coordinator=self.coordinator,
             follower=None if schedule is None or not schedule.reads_noise else schedule.describe(),
