@@ -319,3 +319,12 @@ def test_a_schedule_starts_from_the_reference_lr_and_warns_a_loader_that_does_no
     with pytest.raises(ValueError, match=r"more than this rank's 16 of the global batch 16 \(it was 128; a schedule"):
         engine.set_global_batch_size(16)
         engine.step((x, y))
+
+
+def test_rescale_weight_decay_refuses_a_bad_lr_factor():
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=1e-3, weight_decay=0.1)
+    for bad in (0, -1.0, math.inf, True):
+        with pytest.raises(ValueError, match="lr_factor must be a finite number > 0"):
+            rescale_weight_decay(opt, 64, 128, lr_factor=bad)
+    assert rescale_weight_decay(opt, 64, 128, lr_factor=2.0) == 1.0  # the linear rule keeps it
+    assert opt.param_groups[0]["weight_decay"] == 0.1
