@@ -18,8 +18,8 @@ downloaded), CPU, one thread:
   exact values at every step (the apples-to-apples reference: the parameters move).
 * ``benefit``: an MLP trained with SGD (momentum 0.9, LR linear in the batch from 0.1 at 128)
   to a held-out loss of 0.15, for fixed batches 16-512, a Megatron ramp and the adaptive
-  schedule (k 0.5 and 1, ``every`` mode; k 1 with ``first``): optimizer steps and samples to the
-  target, median and spread over seeds.
+  schedule (k 0.25, 0.5 and 1 in ``every`` mode; k 1 with ``first``): optimizer steps and samples
+  to the target, median and spread over seeds.
 * ``cost``: ``Engine.step`` time with the noise scale off, ``first`` and ``every``, as paired
   ratios (the variants take turns step by step, as in ``overhead.py``).
 """
@@ -360,7 +360,7 @@ def benefit_variants(quick: bool) -> dict[str, dict[str, Any]]:
     out = {f"fixed {b}": {"fixed": b} for b in fixed}
     out["ramp 16->256 over 6k samples"] = {"schedule": RampSchedule(start=16, increment=16, samples=6000),
                                            "reference": 256}
-    for k in ((1.0,) if quick else (0.5, 1.0)):
+    for k in ((1.0,) if quick else (0.25, 0.5, 1.0)):
         out[f"adaptive k={k:g}"] = {"schedule": AdaptiveSchedule(k=k, min_batch_size=16, max_batch_size=512, every=5,
                                                                  granule=8), "reference": 512}
     if not quick:
@@ -487,7 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS), help=f"from {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="smoke sizes: a few steps, seeds and workloads")
-    p.add_argument("--models", type=lambda s: s.split(","), default=["mlp", "cnn"], help="accuracy/tracking models")
+    p.add_argument("--models", type=lambda s: s.split(","), default=None,
+                   help="accuracy/tracking models (default mlp,cnn; quick: mlp)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per point / variant (default 3 accuracy, 8 benefit)")
     p.add_argument("--fixed-steps", type=int, default=None, help="steps per seed at fixed parameters (default 1000)")
     p.add_argument("--track-steps", type=int, default=None, help="training steps tracked (default 150)")
@@ -503,9 +504,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if part not in PARTS:
             p.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
     q = args.quick
+    args.models = args.models or (["mlp"] if q else ["mlp", "cnn"])
     args.points = (0,) if q else (0, 30, 150)
     args.fixed_steps = args.fixed_steps or (20 if q else 1000)
-    args.track_steps = args.track_steps or (6 if q else 150)
+    args.track_steps = args.track_steps or (3 if q else 150)
     args.max_epochs = args.max_epochs or (1 if q else 60)
     args.target = args.target or (2.0 if q else 0.15)
     args.rounds = args.rounds or (3 if q else 60)
