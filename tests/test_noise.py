@@ -108,6 +108,15 @@ def test_squared_norm_is_exact_and_safe_for_fp16():
     assert float(squared_norm(big)) == pytest.approx(9e7, rel=1e-3)
 
 
+def test_defaults_follow_what_each_mode_needs():
+    assert (NoiseConfig().beta, NoiseConfig(mode="every").beta, NoiseConfig(beta=0.9).beta) == (0.99, 0.95, 0.9)
+    model, opt = make("mlp")
+    assert Engine(model, opt, CE, global_batch_size=16).noise_meter.config.mode == "first"
+    # a schedule that follows the noise scale needs an estimate that settles in tens of steps
+    following = Engine(model, opt, CE, global_batch_size=16, schedule=AdaptiveSchedule())
+    assert following.noise_meter.config.mode == "every" and following.noise_meter.split
+
+
 def test_config_errors_say_what_to_change():
     with pytest.raises(ValueError, match="noise mode must be one of first, every"):
         NoiseConfig(mode="all")

@@ -205,7 +205,8 @@ class Engine:
         split_fn: ``split_fn(batch, start, stop)`` cutting a batch into micro-batches your way.
         config: adaptive knobs, see :class:`EngineConfig`.
         noise: measure the gradient noise scale (:mod:`batchpilot.noise`): ``True`` (default,
-            ``NoiseConfig()``), a :class:`~batchpilot.noise.NoiseConfig`, or ``False``.
+            ``NoiseConfig()``; ``NoiseConfig(mode="every")`` under a schedule that follows the
+            noise scale), a :class:`~batchpilot.noise.NoiseConfig`, or ``False``.
         schedule: a global-batch schedule (:mod:`batchpilot.schedule`), or its spec for
             :func:`~batchpilot.schedule.parse_schedule` (``"adaptive"``); ``global_batch_size`` is
             then the batch the optimizer's LR is set for, and the engine moves to the

@@ -21,6 +21,7 @@ import torch
 from ._checks import check_int
 
 __all__ = [
+    "DEFAULT_BETA",
     "NOISE_MODES",
     "NoiseConfig",
     "NoiseMeter",
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: ``every``: every micro-batch is one (one norm per micro-batch, and one gradient-sized buffer
 #: while each backward runs, to keep it apart from the running sum).
 NOISE_MODES: tuple[str, ...] = ("first", "every")
+#: The EMA factor each mode defaults to: what its estimate needs to settle (benchmarks/noise.py).
+DEFAULT_BETA: dict[str, float] = {"first": 0.99, "every": 0.95}
 
 Number = Any  # a float, or a 0-dim tensor on the gradients' device (no host sync)
 
@@ -183,7 +186,9 @@ class NoiseConfig:
             several ranks with a deferred sync, each rank's share); ``"every"``: every
             micro-batch on every rank, more accurate (the mean of several small batches) for one
             gradient norm per micro-batch and one gradient-sized buffer during each backward.
-        beta: EMA factor for ``|G|²`` and ``tr(Σ)`` (0.95 averages over about 40 steps).
+        beta: EMA factor for ``|G|²`` and ``tr(Σ)``; ``None``: :data:`DEFAULT_BETA` of the mode,
+            0.99 for ``first`` (about 200 steps: one small batch a step needs long averaging) and
+            0.95 for ``every`` (about 40; see ``benchmarks/README.md`` for what each needs).
         dataset_size: samples in the data set an epoch draws the batches from without
             replacement; enables the finite-population correction (without it a small data set
             biases ``B_simple`` upward: by ``B_simple / N`` relative). ``None``: fresh samples.
@@ -198,13 +203,15 @@ class NoiseConfig:
     """
 
     mode: Literal["first", "every"] = "first"
-    beta: float = 0.95
+    beta: float | None = None
     dataset_size: int | None = None
     split: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in NOISE_MODES:
             raise ValueError(f"noise mode must be one of {', '.join(NOISE_MODES)}, got {self.mode!r}")
+        if self.beta is None:
+            self.beta = DEFAULT_BETA[self.mode]
         NoiseScale(self.beta)  # validates beta
         if self.dataset_size is not None:
             check_int("dataset_size", self.dataset_size, minimum=2,
@@ -523,8 +530,10 @@ def make_meter(noise: bool | NoiseConfig, *, world: int, coordinator: Any, follo
     """The engine's meter for ``noise`` (``True``, ``False`` or a :class:`NoiseConfig`), or ``None``.
 
     ``follower`` names a schedule that reads the noise scale: it makes a missing measurement an
-    error and turns ``split="auto"`` on. Over several ranks the coordinator must sum the local
-    norms (``sync_gradients_and_sum`` and ``sum_over_ranks``); without them nothing is measured.
+    error, turns ``split="auto"`` on, and makes ``noise=True`` mean ``NoiseConfig(mode="every")``
+    (a schedule needs an estimate that settles in tens of steps, not hundreds). Over several
+    ranks the coordinator must sum the local norms (``sync_gradients_and_sum`` and
+    ``sum_over_ranks``); without them nothing is measured.
 
     Raises:
         TypeError: ``noise`` is not a bool or a :class:`NoiseConfig`.
@@ -536,7 +545,7 @@ def make_meter(noise: bool | NoiseConfig, *, world: int, coordinator: Any, follo
                              "leave noise on (noise=True or a NoiseConfig)")
         return None
     if noise is True:
-        noise = NoiseConfig()
+        noise = NoiseConfig(mode="first" if follower is None else "every")
     if not isinstance(noise, NoiseConfig):
         raise TypeError(f"noise must be True, False or a batchpilot.noise.NoiseConfig, got {type(noise).__name__}")
     if world > 1 and not (hasattr(coordinator, "sync_gradients_and_sum") and hasattr(coordinator, "sum_over_ranks")):

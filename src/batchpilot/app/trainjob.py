@@ -61,8 +61,9 @@ DEFAULT_CPU_CAPACITY = 2 * 1024**2
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 _SCHEDULES = ("cosine", "none")
-#: ``noise``: the engine's measurement mode, or ``off``.
-NOISE_CHOICES = (*NOISE_MODES, "off")
+#: ``noise``: ``auto`` (``every`` under a schedule that follows the noise scale, else ``first``),
+#: the engine's measurement mode, or ``off``.
+NOISE_CHOICES = ("auto", *NOISE_MODES, "off")
 
 
 class JobError(ValueError):
@@ -83,7 +84,8 @@ class TrainConfig:
             schedule: the batch the LR is tuned for, the ramp's final batch, adaptive's maximum).
         batch_schedule: ``constant``, ``ramp:START,INCR,SAMPLES`` or ``adaptive[:k=K,min=N,...]``
             (:func:`batchpilot.schedule.parse_schedule`); the LR follows by ``lr_base_scale``.
-        noise: how the engine measures the gradient noise scale: ``first``, ``every`` or ``off``.
+        noise: how the engine measures the gradient noise scale: ``auto`` (``every`` under the
+            adaptive schedule, else ``first``), ``first``, ``every`` or ``off``.
         scale_weight_decay: at each batch change rescale weight decay too, keeping AdamW's
             timescale ``B / (lr × wd × N)`` (Bergsma et al. 2025).
         grad_accum_steps: start at ``ceil(batch_size / grad_accum_steps)`` per micro-batch
@@ -121,7 +123,7 @@ class TrainConfig:
     epochs: int = 10
     batch_size: int = 128
     batch_schedule: str = "constant"
-    noise: str = "first"
+    noise: str = "auto"
     scale_weight_decay: bool = False
     grad_accum_steps: int | None = None
     optimizer: str = "adamw"
@@ -164,7 +166,7 @@ class TrainConfig:
         self.schedule().initial(self.batch_size, 1)
         if self.noise == "off" and self.schedule().reads_noise:
             raise ValueError(f"batch_schedule {self.batch_schedule!r} follows the gradient noise scale; "
-                             "it needs noise 'first' or 'every', not 'off'")
+                             "it needs noise 'auto', 'first' or 'every', not 'off'")
         _choice("strategy", self.strategy, tuple(STRATEGIES))
         if self.amp is not None:
             _choice("amp", self.amp, AMP_MODES)
@@ -525,7 +527,8 @@ def run_training(config: TrainConfig) -> TrainResult:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
     capacity = _resolve_capacity(config, device)
     squeeze = _resolve_squeeze(config, capacity, total_steps or 0, total_samples if scheduled else None)
-    noise = False if config.noise == "off" else NoiseConfig(mode=config.noise, dataset_size=split.num_train)
+    mode = ("every" if schedule.reads_noise else "first") if config.noise == "auto" else config.noise
+    noise = False if config.noise == "off" else NoiseConfig(mode=mode, dataset_size=split.num_train)
     # None: the engine runs the finder on the first batch; an int skips it
     start = None if config.grad_accum_steps is None else -(-config.batch_size // config.grad_accum_steps)
     with contextlib.ExitStack() as device_scope:

@@ -80,9 +80,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "gradient noise scale, between min (default batch-size/8) and max (default batch-size), "
                         "changed at most every `every` steps, by at most max_factor, upward only unless "
                         "decrease=yes. The LR follows by --lr-base-scale (default: %(default)s)")
-    o.add_argument("--noise", choices=NOISE_CHOICES, default="first",
-                   help="measure the gradient noise scale from the first micro-batch (nearly free), every "
-                        "micro-batch (more accurate, one gradient norm per micro-batch), or off (default: %(default)s)")
+    o.add_argument("--noise", choices=NOISE_CHOICES, default="auto",
+                   help="measure the gradient noise scale from the first micro-batch (nearly free; EMA over about "
+                        "200 steps), every micro-batch (settles several times faster, one gradient norm per "
+                        "micro-batch), or off; auto = every under the adaptive schedule, else first "
+                        "(default: %(default)s)")
     o.add_argument("--scale-weight-decay", action="store_true",
                    help="at each change of the global batch also rescale weight decay, keeping AdamW's timescale "
                         "B/(lr x wd x N) (Bergsma et al. 2025); off by default")
