@@ -335,7 +335,6 @@ class NoiseMeter:
         self._sizes: list[int] = []
         self._n = 0
         self._per_rank = 0
-        self._mode_sum = False
         self._inv_scale: Number = 1.0
         self._x: Number = 0.0  # sum of |g_i|² over this rank's small batches
         self._c: Number = 0.0  # sum of their population factors
