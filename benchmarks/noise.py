@@ -22,7 +22,8 @@ downloaded), CPU, one thread:
   schedule (k 0.25, 0.5 and 1 in ``every`` mode; k 1 with ``first``): optimizer steps and samples
   to the target, median and spread over seeds.
 * ``cost``: ``Engine.step`` time with the noise scale off, ``first`` and ``every``, as paired
-  ratios (the variants take turns step by step, as in ``overhead.py``).
+  ratios (the variants take turns step by step, as in ``overhead.py``), in CPU time of the
+  step's thread (and wall time).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from batchpilot.app.datasets import load_digits  # noqa: E402
 from batchpilot.data import ElasticBatchSampler  # noqa: E402
 from batchpilot.engine import Engine  # noqa: E402
 from batchpilot.models import MLP, SmallCNN, example_batch  # noqa: E402
-from batchpilot.noise import DEFAULT_BETA, NoiseConfig, population_factor, unbiased_estimates  # noqa: E402
+from batchpilot.noise import DEFAULT_BETA, NoiseConfig, NoiseMeter, population_factor, unbiased_estimates  # noqa: E402
 from batchpilot.schedule import AdaptiveSchedule, RampSchedule  # noqa: E402
 
 PARTS = ("accuracy", "tracking", "benefit", "cost")
@@ -427,6 +428,32 @@ COST_WORKLOADS: dict[str, dict[str, Any]] = {
     "digits cnn": {"build": lambda: build("cnn"), "global": GLOBAL, "micro": MICRO},
 }
 COST_VARIANTS = {"off": False, "first": NoiseConfig(mode="first"), "every": NoiseConfig(mode="every")}
+METER_HOOKS = ("begin", "before_backward", "after_backward", "local_values", "measure", "commit", "micro_batch")
+
+
+def meter_seconds(step: Callable[[Any], float], batch: Any, rounds: int) -> float:
+    """CPU seconds per step spent inside the engine's noise hooks (``NoiseMeter``'s methods), measured in place."""
+    spent = [0.0]
+    originals = {name: getattr(NoiseMeter, name) for name in METER_HOOKS}
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.thread_time() - t0
+        return wrapper
+
+    try:
+        for name, fn in originals.items():
+            setattr(NoiseMeter, name, timed(fn))
+        for _ in range(rounds):
+            step(batch)
+    finally:
+        for name, fn in originals.items():
+            setattr(NoiseMeter, name, fn)
+    return spent[0] / rounds
 
 
 def part_cost(args: argparse.Namespace) -> dict[str, Any]:
@@ -448,39 +475,53 @@ def part_cost(args: argparse.Namespace) -> dict[str, Any]:
             batch = (data.x[:spec["global"]], data.y[:spec["global"]])
         else:
             batch = example_batch(template, spec["global"], generator=torch.Generator().manual_seed(1))
-        times: dict[str, list[float]] = {k: [] for k in steps}
+        # CPU time of this thread (one intra-op thread: every kernel runs here) besides wall time:
+        # on a shared machine a step's wall time mostly measures the other processes
+        wall: dict[str, list[float]] = {k: [] for k in steps}
+        cpu: dict[str, list[float]] = {k: [] for k in steps}
         order = list(steps)
         for r in range(args.warmup + args.rounds):
             for label in order[r % len(order):] + order[:r % len(order)]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 steps[label](batch)
                 if r >= args.warmup:
-                    times[label].append(time.perf_counter() - t0)
+                    wall[label].append(time.perf_counter() - t0)
+                    cpu[label].append(time.thread_time() - c0)
 
-        def paired(label: str) -> float:
+        def paired(times: dict[str, list[float]], label: str) -> float:
             return statistics.median(a / b for a, b in zip(times[label], times["off"]))
+
+        hooks = {label: meter_seconds(steps[label], batch, args.rounds) for label in ("first", "every")}
 
         rows.append({"workload": name, "global": spec["global"], "micro": spec["micro"],
                      "params": sum(p.numel() for p in template.parameters()),
-                     "off_ms": 1e3 * statistics.median(times["off"]),
-                     "first_ms": 1e3 * statistics.median(times["first"]),
-                     "every_ms": 1e3 * statistics.median(times["every"]),
-                     "first_ratio": paired("first"), "every_ratio": paired("every")})
+                     "off_ms": 1e3 * statistics.median(cpu["off"]),
+                     "first_ms": 1e3 * statistics.median(cpu["first"]),
+                     "every_ms": 1e3 * statistics.median(cpu["every"]),
+                     "first_ratio": paired(cpu, "first"), "every_ratio": paired(cpu, "every"),
+                     "first_wall_ratio": paired(wall, "first"), "every_wall_ratio": paired(wall, "every"),
+                     "first_hooks_ms": 1e3 * hooks["first"], "every_hooks_ms": 1e3 * hooks["every"]})
         print(f"  cost {name}: done", flush=True)
     return {"rows": rows, "rounds": args.rounds}
 
 
 def table_cost(doc: dict[str, Any]) -> str:
     lines = [
-        f"Engine.step with the noise scale off / first / every; {doc['rounds']} rounds, paired median ratios to off",
-        "| workload | params | global = micro x accum | off ms | first ms | first / off | every ms | every / off |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        f"Engine.step with the noise scale off / first / every; {doc['rounds']} rounds, the variants in turn; "
+        "ms: median CPU time of the step's thread; ratios: median of paired per-round ratios to off (CPU time; "
+        "wall time in brackets, which on a shared machine mostly measures the neighbours); hooks: CPU time "
+        "inside the engine's noise hooks per step, measured in place, and its share of the off step",
+        "| workload | params | global = micro x accum | off ms | first ms | first / off | first hooks | "
+        "every ms | every / off | every hooks |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         lines.append(
             f"| {r['workload']} | {r['params']:,} | {r['global']} = {r['micro']} x {r['global'] // r['micro']} | "
-            f"{r['off_ms']:.2f} | {r['first_ms']:.2f} | {r['first_ratio']:.3f} | {r['every_ms']:.2f} | "
-            f"{r['every_ratio']:.3f} |"
+            f"{r['off_ms']:.2f} | {r['first_ms']:.2f} | {r['first_ratio']:.3f} ({r['first_wall_ratio']:.3f}) | "
+            f"{r['first_hooks_ms']:.3f} ms = {r['first_hooks_ms'] / r['off_ms']:.1%} | "
+            f"{r['every_ms']:.2f} | {r['every_ratio']:.3f} ({r['every_wall_ratio']:.3f}) | "
+            f"{r['every_hooks_ms']:.3f} ms = {r['every_hooks_ms'] / r['off_ms']:.1%} |"
         )
     return "\n".join(lines)
 
