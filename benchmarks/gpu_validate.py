@@ -12,11 +12,14 @@ transformer, all written here) it checks:
 4. OOM recovery: the seconds one OOM costs in the ``Engine`` (the first step of an engine whose
    first micro-batch runs out of memory, minus the first step of a fresh engine started at the
    micro-batch the first one settled on);
-5. speed (``benchmarks/speed.py``'s method): the throughput objective's batch against an
+5. noise cost: ``Engine.step`` time with the gradient noise scale measured (``first``, the
+   default, and ``every``) against off, at 4 micro-batches of the finder's batch, as paired
+   ratios; and the host syncs the measurement adds per step (CUDA's sync debug mode; 0 expected);
+6. speed (``benchmarks/speed.py``'s method): the throughput objective's batch against an
    interleaved sweep of samples/s over 10 sizes (small: 8) up to the largest fit (its samples/s over the
    sweep's best, its peak over the largest fit's), and the engine's balanced split of
    ``1.28 ×`` the largest fit against the largest micro-batch first (step time, peak).
-6. torch.compile (``--compile``, inductor by default on CUDA, off on CPU): the compiled step's
+7. torch.compile (``--compile``, inductor by default on CUDA, off on CPU): the compiled step's
    peak against the eager one's and against the planner (which plans the eager program), and
    ``find_batch_size_for`` on the compiled model under the same capacity, with the graphs
    dynamo compiled during the search (one at most: the warm-up's).
@@ -37,6 +40,7 @@ import argparse
 import datetime
 import gc
 import math
+import statistics
 import sys
 import time
 import traceback
@@ -59,6 +63,7 @@ from batchpilot.find import find_batch_size, find_batch_size_for  # noqa: E402
 from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
 from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track_peak  # noqa: E402
 from batchpilot.models import MLP  # noqa: E402
+from batchpilot.noise import NoiseConfig  # noqa: E402
 from batchpilot.oom import attempt, free_memory  # noqa: E402
 from batchpilot.plan import default_step, estimate_peak_memory  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
@@ -551,6 +556,58 @@ def check_speed(r: Runner, capacity: int, target: float, tolerance: float, round
                  f"{timing['balanced'] / timing['first']:.3f}x"))
 
 
+def count_syncs(r: Runner, fn: Callable[[], Any]) -> int | None:
+    """Host-device synchronisations ``fn`` makes (CUDA's sync debug mode warns on each); ``None`` off CUDA."""
+    if r.device.type != "cuda":
+        return None
+    import warnings
+
+    r.sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def check_noise_cost(r: Runner, found: int, steps: int, rows: list, doc: dict) -> None:
+    """Step time with the noise scale off / first / every at 4 micro-batches of ``found``; syncs it adds."""
+    micro = max(1, min(found, 4096))
+    global_batch = 4 * micro
+    r.release()
+    frozen = torch.optim.SGD(r.model.parameters(), lr=0.0)  # timing only: no optimizer state, weights kept
+    engines = {label: Engine(r.model, frozen, r.engine_loss, global_batch_size=global_batch, micro_batch_size=micro,
+                             device=r.device, amp=r.amp, noise=noise)
+               for label, noise in (("off", False), ("first", NoiseConfig(mode="first")),
+                                    ("every", NoiseConfig(mode="every")))}
+    batch = r.case.make_batch(global_batch, r.device)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    order = list(engines)
+    for i in range(steps + 2):  # two warm-up rounds
+        for label in order[i % 3:] + order[:i % 3]:
+            r.sync()
+            t0 = time.perf_counter()
+            engines[label].step(batch)
+            r.sync()
+            if i >= 2:
+                times[label].append(time.perf_counter() - t0)
+    syncs = {label: count_syncs(r, lambda e=e: e.step(batch)) for label, e in engines.items()}
+    del batch
+    r.release()
+
+    def ratio(label: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[label], times["off"]))
+
+    doc["noise_cost"] = {"global": global_batch, "micro": micro, "step_s": {k: statistics.median(v) for k, v in times.items()},
+                         "first_ratio": ratio("first"), "every_ratio": ratio("every"), "syncs_per_step": syncs}
+    extra = "-" if syncs["off"] is None else f"syncs {syncs['first'] - syncs['off']:+d} / {syncs['every'] - syncs['off']:+d}"
+    rows.append((r.case.name, "noise cost", f"{global_batch} = {micro} x 4", f"first {ratio('first'):.3f}x",
+                 f"every {ratio('every'):.3f}x", extra))
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -600,6 +657,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             guarded(rows, mdoc, name, "samples/s", lambda: check_throughput(r, found, args.steps, rows, mdoc))
             guarded(rows, mdoc, name, "OOM recovery", lambda: check_oom_recovery(
                 r, capacity, mdoc["finder"]["true_max"], args.repeats, rows, mdoc))
+            guarded(rows, mdoc, name, "noise cost", lambda: check_noise_cost(r, found, args.steps, rows, mdoc))
         guarded(rows, mdoc, name, "speed", lambda: check_speed(r, capacity, args.target, args.speed_tolerance,
                                                               args.sweep_rounds, 8 if args.small else 10, rows, mdoc))
         if args.compile != "none":

@@ -43,6 +43,7 @@ KNOWN = (
     Script("integrations", quick=("--quick",)),
     Script("gpu_validate", quick=("--small",)),
     Script("compiled", quick=("--quick",)),
+    Script("noise", quick=("--quick",)),
 )
 
 

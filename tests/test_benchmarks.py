@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -158,8 +159,8 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         checks.setdefault(row["model"], []).append(row["check"])
     assert set(checks) == {"mlp", "resnet50", "gpt2"}
     for name, seen in checks.items():
-        assert seen == ["plan allocated"] * 3 + ["finder vs truth", "samples/s", "OOM recovery", "throughput choice",
-                                                 "balanced split"], name
+        assert seen == ["plan allocated"] * 3 + ["finder vs truth", "samples/s", "OOM recovery", "noise cost",
+                                                 "throughput choice", "balanced split"], name
         m = doc["models"][name]
         assert "errors" not in m, m.get("errors")
         # on CPU the planner is byte-exact against the storage tracker
@@ -172,6 +173,9 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         rec = m["oom_recovery"]
         assert rec["repeats"][0]["ooms"] >= 1, (name, rec)  # the first micro-batch really ran out of memory
         assert rec["cost_s"] is not None
+        cost = m["noise_cost"]
+        assert cost["first_ratio"] > 0 and cost["every_ratio"] > 0 and cost["global"] == 4 * cost["micro"]
+        assert cost["syncs_per_step"] == {"off": None, "first": None, "every": None}  # counted on CUDA only
         sp = m["speed"]  # the throughput objective's answer, swept side by side with 10 sizes up to the largest fit
         assert sp["batch_size"] <= sp["largest_fitting"] and sp["batch_size"] in sp["sizes"]
         assert 0 < sp["choice_over_best"] <= 1
@@ -362,7 +366,7 @@ def test_run_all_lists_the_scripts_in_order():
     proc = run_script("run_all.py", "--list", "--quick", timeout=120)
     names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]
     present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "speed", "integrations",
-                           "gpu_validate", "compiled")
+                           "gpu_validate", "compiled", "noise")
                if (BENCH / f"{n}.py").exists()]
     assert names[: len(present)] == present
     assert "run_all" not in names and not any(n.startswith("_") for n in names)
@@ -387,3 +391,72 @@ def test_largest_fitting_finds_the_boundary_from_any_start(truth, start, options
     assert largest_fitting(fits, start, **options) == truth
     if options.get("check_next") and start == truth:
         assert probed == [truth, truth + 1]  # a start at the boundary costs two probes
+
+
+# ---------------------------------------------------------------------------
+# noise.py
+
+
+def test_noise_benchmark_exact_reference_is_the_per_example_gradients():
+    """The reference every accuracy figure is judged against, checked by brute force: one
+    backward per example, |G|^2 and the population tr(Sigma) summed by hand."""
+    import noise as nb
+
+    data = nb.Digits("flat")
+    data.x, data.y, data.n = data.x[:40], data.y[:40], 40
+    model = nb.build("mlp")
+    g2, tr = nb.exact(model, data, chunk=16)
+    grads = []
+    for i in range(40):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(data.x[i:i + 1]), data.y[i:i + 1]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+    per = torch.stack(grads)
+    mean = per.mean(0)
+    assert g2 == pytest.approx(float(mean @ mean), rel=1e-6)
+    assert tr == pytest.approx(float(((per - mean) ** 2).sum(1).mean()), rel=1e-5)
+
+
+def test_noise_benchmark_helpers():
+    import noise as nb
+
+    assert nb.mean_ratio([1.0, 3.0], [10.0, 30.0]) == [10.0, 10.0]
+    assert nb.ema_ratio([1.0, -5.0], [4.0, 4.0], 0.5) == [4.0, math.inf]
+    assert nb.settles_after([2.0, 1.2, 1.05, 0.9, 1.1], 1.0) == 3  # within 15% from the third step on
+    assert nb.settles_after([1.0, 1.0, 2.0], 1.0) is None
+
+
+@pytest.mark.timeout(600)
+def test_noise_benchmark_quick_prints_its_tables(tmp_path):
+    out = tmp_path / "noise.json"
+    proc = run_script("noise.py", "--quick", "--json", str(out))
+    for head in ("## accuracy", "## tracking", "## benefit", "## cost", "exact B_simple", "steps / fixed 16",
+                 "first / off"):
+        assert head in proc.stdout, head
+    doc = json.loads(out.read_text())
+    acc = doc["parts"]["accuracy"]["rows"]
+    assert {r["model"] for r in acc} == {"mlp"} and all(r["exact_b_simple"] > 0 for r in acc)
+    assert all(r["identical_training"] for r in doc["parts"]["tracking"]["rows"])
+    assert all(r["first_ratio"] > 0 for r in doc["parts"]["cost"]["rows"])
+    runs = [x for r in doc["parts"]["benefit"]["rows"] for x in r["runs"]]
+    assert any(x["steps"] is not None for x in runs)  # the quick target is reached
+
+
+def test_noise_benchmark_recovers_the_uncorrected_estimate_exactly():
+    """The accuracy table's 'no FPC' column is the corrected run's norms solved with c = 1/B: it must
+    equal what an engine without the correction reports on the same batches."""
+    import noise as nb
+    from batchpilot.engine import Engine
+    from batchpilot.noise import NoiseConfig
+
+    data = nb.Digits("flat")
+    out = {}
+    for fpc in (True, False):
+        model = nb.build("mlp")
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), torch.nn.CrossEntropyLoss(),
+                        global_batch_size=nb.GLOBAL, micro_batch_size=nb.MICRO,
+                        noise=NoiseConfig(mode="every", dataset_size=data.n if fpc else None))
+        rs = [engine.step((data.x[i * 128:(i + 1) * 128], data.y[i * 128:(i + 1) * 128])) for i in range(3)]
+        out[fpc] = ([float(r.noise.grad_sq) for r in rs], [float(r.noise.trace) for r in rs])
+    g, t = nb.without_correction(*out[True], data.n)
+    assert g == pytest.approx(out[False][0], rel=1e-6) and t == pytest.approx(out[False][1], rel=1e-6)

@@ -406,7 +406,8 @@ def test_state_dict_resumes_without_probing(monkeypatch):
             eng.step(next(data))
     state = eng.state_dict()
     assert set(state) == {"version", "global_batch_size", "world_size", "micro_batch_size", "steps", "policy", "fit",
-                          "scaler"}
+                          "scaler", "samples", "reference_batch_size", "last_batch_change", "micro_cap", "noise",
+                          "schedule"}
     assert (state["global_batch_size"], state["world_size"]) == (n, 1)
     assert state["micro_batch_size"] < n and state["steps"] == 3
     clean = state["policy"]["clean"]

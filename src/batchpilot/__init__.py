@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .batching import BatchConfig, rescale_lr, scale_lr
+from .batching import BatchConfig, rescale_lr, rescale_weight_decay, scale_lr
 from .data import ElasticBatchSampler, ElasticLoader
 from .engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from .noise import NoiseConfig, NoiseSample
+from .schedule import AdaptiveSchedule, ConstantSchedule, RampSchedule, parse_schedule
 from .find import BatchPlan, BatchSizeError, NothingFitsError, find_batch_size, find_batch_size_for
 from .memory import emulate_capacity, get_probe, parse_bytes, track_peak, StorageTracker
 from .oom import attempt, free_memory, is_oom
@@ -40,11 +42,13 @@ __all__ = [
     # finder
     "find_batch_size", "find_batch_size_for", "BatchPlan", "BatchSizeError", "NothingFitsError",
     # batch arithmetic and LR
-    "BatchConfig", "scale_lr", "rescale_lr",
+    "BatchConfig", "scale_lr", "rescale_lr", "rescale_weight_decay",
     # data
     "ElasticBatchSampler", "ElasticLoader",
     # engine
     "Engine", "EngineConfig", "StepResult", "BatchDoesNotFitError",
+    # statistical efficiency: the gradient noise scale and global-batch schedules
+    "NoiseConfig", "NoiseSample", "ConstantSchedule", "RampSchedule", "AdaptiveSchedule", "parse_schedule",
     # lazily imported
     *_LAZY,
     "__version__",

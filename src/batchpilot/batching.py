@@ -29,6 +29,7 @@ __all__ = [
     "config_for_limit",
     "is_adaptive",
     "rescale_lr",
+    "rescale_weight_decay",
     "scale_lr",
     "split_sizes",
 ]
@@ -421,4 +422,37 @@ def rescale_lr(
         resolved,
         type(optimizer).__name__,
     )
+    return factor
+
+
+def rescale_weight_decay(
+    optimizer: torch.optim.Optimizer, old_global: int, new_global: int, lr_factor: float
+) -> float:
+    """Rescale weight decay so that AdamW's timescale ``τ = B / (η λ D)`` survives a batch change.
+
+    Bergsma et al. 2025 (arXiv 2505.13738) find the optimal AdamW run keeps ``τ``, in epochs,
+    fixed across batch sizes; torch's AdamW decays by ``η λ`` per step, so with the LR already
+    multiplied by ``lr_factor`` (what :func:`rescale_lr` returned) the decay is multiplied by
+    ``(new / old) / lr_factor``: ``sqrt(new / old)`` under the sqrt rule, 1 under the linear one.
+    Every param group's ``weight_decay`` (and ``optimizer.defaults``) is updated in place.
+
+    Returns:
+        The factor the weight decay was multiplied by.
+
+    Raises:
+        ValueError: a batch size that is not a positive int, or ``lr_factor`` not a finite number > 0.
+    """
+    old_global = positive_int("old_global", old_global)
+    new_global = positive_int("new_global", new_global)
+    if isinstance(lr_factor, bool) or not isinstance(lr_factor, numbers.Real) or not (math.isfinite(lr_factor) and lr_factor > 0):
+        raise ValueError(f"lr_factor must be a finite number > 0, got {lr_factor!r}")
+    factor = (new_global / old_global) / lr_factor
+    if factor == 1.0:
+        return factor
+    for group in optimizer.param_groups:
+        if isinstance(group.get("weight_decay"), numbers.Real):
+            group["weight_decay"] = group["weight_decay"] * factor
+    if isinstance(optimizer.defaults.get("weight_decay"), numbers.Real):
+        optimizer.defaults["weight_decay"] = optimizer.defaults["weight_decay"] * factor
+    logger.info("global batch %d -> %d: weight decay x %.6g (AdamW timescale kept)", old_global, new_global, factor)
     return factor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 __all__ = ["Coordinator", "LocalCoordinator"]
@@ -35,6 +36,12 @@ class Coordinator(Protocol):
 
     A clean step therefore makes one agreement besides the gradient sync: ``agree`` for an
     ``"auto"`` engine, ``agree_oom`` for a fixed one.
+
+    Optional, for the gradient noise scale over several ranks (:mod:`batchpilot.noise`):
+    ``sync_gradients_and_sum(model, values) -> values summed over ranks`` replaces step 3's
+    ``sync_gradients`` (the values ride in its collective), and ``sum_over_ranks(values)`` sums
+    them alone when the sync is not deferred. A coordinator of several ranks without them gets
+    no noise measurement.
 
     Attributes:
         world_size: data-parallel ranks; gradients arrive averaged over them.
@@ -94,3 +101,10 @@ class LocalCoordinator:
 
     def sync_gradients(self, model: nn.Module) -> None:
         return None
+
+    def sync_gradients_and_sum(self, model: nn.Module, values: torch.Tensor) -> torch.Tensor:
+        self.sync_gradients(model)
+        return values
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return values

@@ -327,21 +327,51 @@ class DistributedCoordinator:
             ValueError: A gradient is sparse.
             RuntimeError: As :meth:`agree_oom`.
         """
+        self._sync(model, None)
+
+    def sync_gradients_and_sum(self, model: nn.Module, values: torch.Tensor) -> torch.Tensor:
+        """:meth:`sync_gradients`, and ``values`` (1-D, float) summed over ranks in its first collective.
+
+        The engine sends the gradient noise scale's local norms this way: a few values more in
+        an all-reduce that runs anyway (one of their own when the first bucket is fp16/bf16).
+
+        Raises:
+            ValueError, RuntimeError: As :meth:`sync_gradients`.
+        """
+        summed = self._sync(model, values)
+        return values if summed is None else summed
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (1-D, float) summed over ranks, in an all-reduce of their own.
+
+        Raises:
+            RuntimeError: As :meth:`agree_oom`.
+        """
+        if self.world_size == 1:
+            return values
+        _refuse_inside_oom_handler("sum_over_ranks")
+        self.collectives += 1
+        summed = values.detach().to(device=_collective_device(self.group), dtype=torch.float32, copy=True)
+        dist.all_reduce(summed, group=self.group)
+        return summed.to(values.device)
+
+    def _sync(self, model: nn.Module, values: torch.Tensor | None) -> torch.Tensor | None:
         world = self.world_size
         if world == 1:
-            return
+            return values
         _refuse_inside_oom_handler("sync_gradients")
         params = [p for p in unwrap_model(model).parameters() if p.requires_grad]
         if not params:
-            return
+            return None if values is None else self.sum_over_ranks(values)
         for p in params:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("sparse gradients are not supported by DistributedCoordinator.sync_gradients")
-        all_reduce_gradients(params, world, self.group, bucket_cap_bytes=self.bucket_cap_bytes,
-                             on_collective=self._count_collective)
+        summed = all_reduce_gradients(params, world, self.group, bucket_cap_bytes=self.bucket_cap_bytes,
+                                      on_collective=self._count_collective, extra=values)
         if self.sync_buffers and syncs_buffers(model):
             broadcast_buffers(list(unwrap_model(model).buffers()), self.group,
                               bucket_cap_bytes=self.bucket_cap_bytes, on_collective=self._count_collective)
+        return summed
 
     def _count_collective(self) -> None:
         self.collectives += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import numbers
 import time
@@ -19,7 +20,7 @@ from typing import Any, Iterable, Literal
 import torch
 from torch import nn
 
-from .batching import BatchConfig, split_sizes
+from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from ._checks import positive_int as _positive_int
 from .compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from .coordinator import Coordinator, LocalCoordinator
@@ -31,8 +32,10 @@ from .amp import amp_dtype as _amp_dtype
 from .amp import autocast
 from .batch import BatchLayout, BatchSplitter, SplitFn
 from .loss import as_loss_fn, parse_loss
+from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
 from .oom import attempt, free_memory
 from .policy import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
+from .schedule import BatchSchedule, SchedulePoint, parse_schedule
 from .speed import SPEED_TOLERANCE, SplitChoice, TimeCurve, check_speed_tolerance, choose_split
 
 __all__ = [
@@ -141,6 +144,11 @@ class StepResult:
             its batch dimension is dynamic, see :mod:`batchpilot.compiled`).
         micro_batch_reason: why the step ran at ``micro_batch_size`` (the initial split, an
             OOM, memory pressure, a growth, another rank).
+        global_batch_size: the global batch of this step (over all ranks).
+        next_global_batch_size: the global batch of the next step (a schedule may change it).
+        noise: the gradient noise measurement of this step (:class:`batchpilot.noise.NoiseSample`),
+            or ``None`` when nothing was measured (noise off, one micro-batch on one rank, a
+            skipped step).
     """
 
     loss_tensor: torch.Tensor
@@ -159,11 +167,19 @@ class StepResult:
     grad_norm: torch.Tensor | None = None
     compilations: int = 0
     micro_batch_reason: str = ""
+    global_batch_size: int = 0
+    next_global_batch_size: int = 0
+    noise: NoiseSample | None = None
 
     @property
     def loss(self) -> float:
         """The loss as a float; on an accelerator this waits for the step (a sync point)."""
         return float(self.loss_tensor)
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_simple`` in samples (the EMA after this step), or ``None``; a sync point on an accelerator."""
+        return None if self.noise is None else self.noise.noise_scale
 
 
 @dataclass
@@ -207,9 +223,19 @@ class Engine:
             :mod:`batchpilot.batch`); they go whole to every micro-batch.
         split_fn: ``split_fn(batch, start, stop)`` cutting a batch into micro-batches your way.
         config: adaptive knobs, see :class:`EngineConfig`.
+        noise: measure the gradient noise scale (:mod:`batchpilot.noise`): ``True`` (default,
+            ``NoiseConfig()``; ``NoiseConfig(mode="every")`` under a schedule that follows the
+            noise scale), a :class:`~batchpilot.noise.NoiseConfig`, or ``False``.
+        schedule: a global-batch schedule (:mod:`batchpilot.schedule`), or its spec for
+            :func:`~batchpilot.schedule.parse_schedule` (``"adaptive"``); ``global_batch_size`` is
+            then the batch the optimizer's LR is set for, and the engine moves to the
+            schedule's batch from the first step, rescaling the LR (and the scheduler's base LRs)
+            by the schedule's rule at every change. Give each step :attr:`per_rank_batch_size`
+            samples: ``loader.set_batch_size(engine.per_rank_batch_size)`` after each step.
 
     Attributes:
-        global_batch_size: samples per optimizer step over all ranks (read-only).
+        global_batch_size: samples per optimizer step over all ranks (read-only; a schedule or
+            :meth:`set_global_batch_size` changes it between steps).
         world_size: data-parallel ranks, from the coordinator (read-only).
         per_rank_batch_size: ``global_batch_size // world_size``, what :meth:`step` takes.
         micro_batch_size: the micro-batch of the next step (``None`` before the first one).
@@ -221,8 +247,10 @@ class Engine:
         ValueError: a batch size that is not a positive int, a global batch that does not
             divide by the world size (the message suggests the nearest that do), a fixed
             micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
-            ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch.
-        TypeError: ``loss_fn`` is not callable.
+            ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
+            schedule that follows the noise scale with ``noise=False`` (or a coordinator of
+            several ranks that cannot sum it).
+        TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type.
     """
 
     def __init__(
@@ -243,6 +271,8 @@ class Engine:
         config: EngineConfig | None = None,
         shared: str | Iterable[str] | None = None,
         split_fn: SplitFn | None = None,
+        noise: bool | NoiseConfig = True,
+        schedule: BatchSchedule | str | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
         self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator()
@@ -318,6 +348,27 @@ class Engine:
         self._alloc_retries = _alloc_retries(self.device)
         # peak of the last gradient sync + optimizer step; it does not depend on the micro-batch
         self._apply_peak = 0
+        # statistical efficiency: the noise scale (batchpilot.noise) and a global-batch schedule
+        if isinstance(schedule, str):
+            schedule = parse_schedule(schedule)
+        if schedule is not None and not isinstance(schedule, BatchSchedule):
+            raise TypeError(f"schedule must be a batchpilot.schedule.BatchSchedule or its spec (\"ramp:32,32,10000\"), "
+                            f"got {type(schedule).__name__}")
+        self.schedule: BatchSchedule | None = schedule
+        self.noise_meter: NoiseMeter | None = make_meter(
+            noise, world=self._world, coordinator=self.coordinator,
+            follower=None if schedule is None or not schedule.reads_noise else schedule.describe(),
+        )
+        self._reference = self._global  # the batch the optimizer's LR is set for
+        self.samples_seen = 0  # over all ranks
+        self._last_change = 0
+        self._micro_cap: tuple[int, int] | None = None  # (memory's micro-batch, what a rebase made of it)
+        self._short_batches = 0
+        self._clip_covers_all = {id(p) for p in self._opt_params} == {id(p) for p in self._params}
+        self._pending_noise: Any = None
+        if schedule is not None:
+            first = schedule.initial(self._global, self._world)
+            self._apply_schedule_change(first)
         if self._ddp and self._world == 1 and _dist_world_size() > 1:
             logger.warning(
                 "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
@@ -351,6 +402,8 @@ class Engine:
         n = split.size
         if n > self._per_rank:
             raise ValueError(self._too_large(n))
+        if self.schedule is not None:
+            self._check_loader_follows(n)
         if self.micro_batch_size is None:
             self._initialise(split)
         measured = True  # every device has a real figure now (see StepResult.memory)
@@ -368,6 +421,10 @@ class Engine:
             while True:
                 micro = min(self.micro_batch_size, n)
                 reason = self.micro_batch_reason
+                if self.noise_meter is not None and self.noise_meter.micro_batch(n, micro) != micro:
+                    micro = self.noise_meter.micro_batch(n, micro)
+                    reason = f"{reason}; split in two to measure the gradient noise scale" if reason else \
+                        "split in two to measure the gradient noise scale"
                 if measured:
                     probe.reset()
                     start_bytes = probe.current()
@@ -402,6 +459,10 @@ class Engine:
         self.steps += 1
         self._apply_peak = probe.peak()
         peak = max(attempt_peak, self._apply_peak)
+        noise = self._commit_noise(skip_reason)
+        this_global = self._global
+        self.samples_seen += n * self._world
+        self._follow_schedule()
         return StepResult(
             loss_tensor=acc.loss,
             micro_batch_size=acc.sizes[0],
@@ -419,6 +480,9 @@ class Engine:
             grad_norm=grad_norm,
             compilations=compiles.count,
             micro_batch_reason=reason,
+            global_batch_size=this_global,
+            next_global_batch_size=self._global,
+            noise=noise,
         )
 
     @property
@@ -435,6 +499,57 @@ class Engine:
     def per_rank_batch_size(self) -> int:
         """This rank's share of the global batch, ``global_batch_size // world_size``: what :meth:`step` takes."""
         return self._per_rank
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_simple`` in samples from the EMAs, or ``None`` before a measurement (a sync point on an accelerator)."""
+        return None if self.noise_meter is None else self.noise_meter.scale.noise_scale
+
+    def set_global_batch_size(
+        self, global_batch_size: int, *, lr_rule: str | None = "auto", scale_weight_decay: bool = False
+    ) -> float:
+        """Train on ``global_batch_size`` from the next step on; what a schedule calls at each change.
+
+        The per-rank batch and the accumulation follow; the micro-batch stays what memory allowed
+        (balanced over the new accumulation, at most the new per-rank batch). The LR (and the
+        scheduler's base LRs) is rescaled by ``lr_rule`` (:func:`batchpilot.batching.rescale_lr`;
+        ``None`` leaves it), the weight decay too with ``scale_weight_decay``
+        (:func:`batchpilot.batching.rescale_weight_decay`). Feed the next step
+        :attr:`per_rank_batch_size` samples (``ElasticLoader.set_batch_size`` keeps the data
+        exactly-once). Call it on every rank alike.
+
+        Returns:
+            The factor the LR was multiplied by.
+
+        Raises:
+            ValueError: not a positive int, or not a multiple of the world size (the message
+                names the nearest that are); an unknown ``lr_rule``.
+        """
+        new = _positive_int("global_batch_size", global_batch_size)
+        per_rank = _per_rank_batch(new, self._world)
+        old = self._global
+        if new == old:
+            return 1.0
+        factor = 1.0
+        if lr_rule is not None:
+            factor = rescale_lr(self.optimizer, old, new, rule=lr_rule, scheduler=self.scheduler)
+            if scale_weight_decay:
+                rescale_weight_decay(self.optimizer, old, new, lr_factor=factor)
+        self._resize(new, per_rank)
+        logger.info("global batch %d -> %d: %s", old, new, self.describe())
+        return factor
+
+    def _resize(self, new: int, per_rank: int) -> None:
+        self._global, self._per_rank = new, per_rank
+        policy = self.policy
+        if policy is None or self.fixed:
+            return
+        cap, made = self._micro_cap if self._micro_cap is not None else (policy.micro, policy.micro)
+        if policy.micro != made:  # memory moved the micro-batch since the last rebase: it is the cap now
+            cap = policy.micro
+        policy.rebase(per_rank, cap)
+        self._micro_cap = (cap, policy.micro)
+        self.micro_batch_size = policy.micro
 
     @property
     def accum_steps(self) -> int | None:
@@ -497,6 +612,13 @@ class Engine:
             "policy": None if self.policy is None else self.policy.state_dict(),
             "fit": self.fit.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            # statistical efficiency: plain numbers and strings (weights_only=True loads them)
+            "samples": self.samples_seen,
+            "reference_batch_size": self._reference,
+            "last_batch_change": self._last_change,
+            "micro_cap": None if self._micro_cap is None else list(self._micro_cap),
+            "noise": None if self.noise_meter is None else self.noise_meter.state_dict(),
+            "schedule": None if self.schedule is None else self.schedule.describe(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -518,7 +640,9 @@ class Engine:
                 f"engine state version {version!r} is not one of {', '.join(map(str, _READABLE_VERSIONS))}"
             )
         saved_world = state.get("world_size")
-        if version >= 2 and state.get("global_batch_size") != self._global:
+        if self.schedule is not None and version >= 2:
+            self._resume_schedule(state)
+        elif version >= 2 and state.get("global_batch_size") != self._global:
             logger.warning(
                 "the engine state was saved for a global batch of %s; this engine trains on %d "
                 "(check the learning rate: batchpilot.batching.rescale_lr)",
@@ -528,6 +652,10 @@ class Engine:
             logger.info("engine state saved on %d rank(s), resumed on %d: %d samples per rank",
                         saved_world, self._world, self._per_rank)
         self.steps = int(state["steps"])
+        self.samples_seen = int(state.get("samples", 0))
+        self._last_change = int(state.get("last_batch_change", 0))
+        if self.noise_meter is not None and state.get("noise") is not None:
+            self.noise_meter.load_state_dict(state["noise"])
         self.fit.load_state_dict(state["fit"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -540,6 +668,69 @@ class Engine:
             self.policy.load_state_dict(state["policy"])
         self.micro_batch_size = self.policy.micro
         self.micro_batch_reason = f"resumed from a checkpoint at micro-batch {self.micro_batch_size}"
+        cap = state.get("micro_cap")
+        if cap is not None and saved_world in (None, self._world):
+            self._micro_cap = (int(cap[0]), int(cap[1]))
+
+    # ------------------------------------------------------------------ schedule and noise
+    def _commit_noise(self, skip_reason: str | None) -> NoiseSample | None:
+        """Fold the step's measurement into the EMAs, unless the step was skipped (fp16 inf, all padding)."""
+        pending, self._pending_noise = self._pending_noise, None
+        if pending is None or skip_reason is not None:
+            return None
+        return self.noise_meter.commit(pending)
+
+    def _follow_schedule(self) -> None:
+        """Ask the schedule for the next step's global batch, and move to it."""
+        schedule = self.schedule
+        if schedule is None:
+            return
+        point = SchedulePoint(step=self.steps, samples=self.samples_seen, current=self._global,
+                              last_change=self._last_change, world=self._world)
+        if schedule.reads_noise and schedule.wants_noise(point):
+            # every rank reads the same number: its norms were summed over ranks
+            point = dataclasses.replace(point, noise_scale=self.noise_scale)
+        self._apply_schedule_change(schedule.decide(point, self._reference))
+
+    def _apply_schedule_change(self, new: int) -> None:
+        if new == self._global:
+            return
+        schedule = self.schedule
+        self.set_global_batch_size(new, lr_rule=schedule.lr_rule, scale_weight_decay=schedule.scale_weight_decay)
+        self._last_change = self.steps
+
+    def _resume_schedule(self, state: dict[str, Any]) -> None:
+        """Continue a schedule where the state left it: its global batch, made valid for this world size.
+
+        The optimizer's checkpoint holds the LR of the saved global batch, so only a batch that
+        this world size must round is rescaled (from the saved one).
+        """
+        saved = int(state["global_batch_size"])
+        reference = int(state.get("reference_batch_size", self._reference))
+        if reference != self._reference:
+            logger.warning("the engine state was saved with global_batch_size=%d as the schedule's reference; "
+                           "this engine has %d", reference, self._reference)
+        if state.get("schedule") not in (None, self.schedule.describe()):
+            logger.warning("the engine state was saved under the %s schedule; continuing under %s",
+                           state["schedule"], self.schedule.describe())
+        target = self.schedule.for_world(saved, self._reference, self._world)
+        self._global = saved  # what the optimizer's LR is for
+        if target == saved:
+            self._resize(saved, _per_rank_batch(saved, self._world))
+        else:
+            logger.info("the saved global batch %d does not suit %d rank(s): continuing at %d", saved, self._world, target)
+            self.set_global_batch_size(target, lr_rule=self.schedule.lr_rule,
+                                       scale_weight_decay=self.schedule.scale_weight_decay)
+
+    def _check_loader_follows(self, n: int) -> None:
+        """Warn when batches stay short of the per-rank batch after a schedule grew it (one short batch is an epoch's end)."""
+        self._short_batches = self._short_batches + 1 if n < self._per_rank else 0
+        if self._short_batches == 2:
+            logger.warning(
+                "two batches in a row of %d samples, fewer than this rank's %d: the schedule grew the global "
+                "batch but the data loader did not follow; call loader.set_batch_size(engine.per_rank_batch_size) "
+                "after each step", n, self._per_rank,
+            )
 
     # ------------------------------------------------------------------ setup
     def _initialise(self, split: BatchSplitter) -> None:
@@ -586,6 +777,13 @@ class Engine:
         return f"this rank's share {self._per_rank} (global_batch_size={self._global} over {self._world} ranks)"
 
     def _too_large(self, n: int) -> str:
+        if self._global != self._reference:
+            return (
+                f"the batch has {n} samples, more than this rank's {self._per_rank} of the global batch "
+                f"{self._global} (it was {self._reference}; a schedule or set_global_batch_size changed it): "
+                "have the data loader follow the engine, loader.set_batch_size(engine.per_rank_batch_size) "
+                "after each step"
+            )
         if self._world == 1:
             return (
                 f"the batch has {n} samples but global_batch_size is {self._global}; give the engine "
@@ -665,6 +863,7 @@ class Engine:
 
         ``model`` defaults to the engine's; the finder passes the module inside a DDP wrapper.
         """
+        meter = self.noise_meter if model is None else None  # the finder's trials measure nothing
         if model is None:
             model = self.model
         ddp = self._ddp and model is self.model
@@ -676,6 +875,9 @@ class Engine:
             sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
         last = len(sizes) - 1
         scaler = self.scaler if use_scaler else None
+        if meter is not None:
+            loss_scale = scaler.scale(torch.ones((), device=self.device)) if scaler is not None else None
+            meter.begin(n=n, sizes=sizes, per_rank=self._per_rank, scale=loss_scale)
         total = None
         count: Any = 0
         mode = None
@@ -707,7 +909,11 @@ class Engine:
                     count = count + c
                 if scaler is not None:
                     scaled = scaler.scale(scaled)
+                if meter is not None:
+                    meter.before_backward(i, self._params)
                 scaled.backward()
+                if meter is not None:
+                    meter.after_backward(i, size, c if kind == "sum" else None, self._params)
             del out, loss, scaled, mb
             if term.dtype != torch.float32:
                 term = term.float()
@@ -721,8 +927,17 @@ class Engine:
         Returns the gradient norm (when clipping) and why the optimizer step was skipped, if it was.
         """
         coord = self.coordinator
+        meter = self.noise_meter
+        # the noise scale's local norms, summed over ranks inside the gradient sync's collective
+        values = None if meter is None else meter.local_values(self._params, acc.count if acc.mode == "sum" else None)
         if coord.defer_grad_sync:
-            coord.sync_gradients(self.model)
+            if values is None:
+                coord.sync_gradients(self.model)
+            else:
+                values = coord.sync_gradients_and_sum(self.model, values)
+        elif values is not None and self._world > 1:
+            values = coord.sum_over_ranks(values)
+        total = None
         if acc.mode == "sum":
             total = coord.total_count(acc.count)
             # a tensor count must be read to tell an empty batch: one sync per step, (sum, count) only
@@ -745,10 +960,15 @@ class Engine:
         grad_norm = None
         skipped = False
         scaler = self.scaler
-        if scaler is not None:
-            if self.grad_clip is not None:
+        if self.grad_clip is not None:
+            if scaler is not None:
                 scaler.unscale_(self.optimizer)
-                grad_norm = nn.utils.clip_grad_norm_(self._opt_params, self.grad_clip)
+            grad_norm = nn.utils.clip_grad_norm_(self._opt_params, self.grad_clip)
+        if meter is not None:
+            # before the optimizer step: the big batch's norm (clipping's, when it covers every gradient)
+            self._pending_noise = meter.measure(self._params, values, total_count=total,
+                                                grad_norm=grad_norm if self._clip_covers_all else None)
+        if scaler is not None:
             if self._last_scale is None:
                 self._last_scale = scaler.get_scale()
             scaler.step(self.optimizer)
@@ -757,8 +977,6 @@ class Engine:
             skipped = scale < self._last_scale
             self._last_scale = scale
         else:
-            if self.grad_clip is not None:
-                grad_norm = nn.utils.clip_grad_norm_(self._opt_params, self.grad_clip)
             self.optimizer.step()
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
@@ -769,6 +987,9 @@ class Engine:
         return autocast(self.device.type, self.amp_dtype)
 
     def _drop_grads(self) -> None:
+        if self.noise_meter is not None:
+            self.noise_meter.abort()
+        self._pending_noise = None
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 

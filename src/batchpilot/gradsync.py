@@ -29,12 +29,17 @@ def _noop() -> None:
 def all_reduce_gradients(
     params: list[torch.Tensor], world: int, group: Any = None, *,
     bucket_cap_bytes: int, on_collective: Callable[[], None] | None = None,
-) -> None:
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Average the (dense) gradients of ``params`` over the ``world`` ranks of ``group``.
 
     Gradients under 1 MiB go in packed buckets of at most ``bucket_cap_bytes`` (the first one
     with a presence flag per parameter); larger ones are all-reduced in place. ``params`` must
     not be empty and must be the same parameters, in the same order, on every rank.
+
+    ``extra``, a 1-D float tensor of the same length on every rank, is summed over ranks in the
+    first collective when that bucket is fp32 or fp64 (a few values more in an existing
+    all-reduce), else in an fp32 all-reduce of its own. Returns that sum (``None`` without it).
     """
     count = on_collective or _noop
     small = [p for p in params if _nbytes(p) < _PACK_BELOW]
@@ -43,7 +48,14 @@ def all_reduce_gradients(
     # The first collective also carries one presence flag per parameter, so every rank knows
     # which gradients exist anywhere before the in-place all-reduces below (which must pair up).
     count()
-    present = _all_reduce_packed(buckets[0], world, group, flags_for=params)
+    anchor = buckets[0][0] if buckets[0] else params[0]
+    ride = extra is not None and anchor.dtype in (torch.float32, torch.float64)
+    present, summed = _all_reduce_packed(buckets[0], world, group, flags_for=params, extra=extra if ride else None)
+    if extra is not None and not ride:
+        # low-precision buckets would round the values (bf16) or overflow them (fp16)
+        count()
+        summed = extra.detach().to(torch.float32).clone()
+        dist.all_reduce(summed, group=group)
     works = []
     for bucket in buckets[1:]:
         count()
@@ -60,6 +72,7 @@ def all_reduce_gradients(
         works.append(dist.all_reduce(p.grad, group=group, async_op=True))
     for work in works:
         work.wait()
+    return summed
 
 
 def broadcast_buffers(
@@ -105,20 +118,23 @@ def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Ten
 def _all_reduce_packed(
     params: list[torch.Tensor], world: int, group: Any, *,
     flags_for: list[torch.Tensor] = (), present: dict[int, bool] | None = None,
-) -> dict[int, bool]:
+    extra: torch.Tensor | None = None,
+) -> tuple[dict[int, bool], torch.Tensor | None]:
     """Average the gradients of ``params`` over ranks with one all-reduce of a flat copy.
 
     With ``flags_for``, the buffer ends with one presence flag per parameter listed there
     (1 where this rank has its gradient; summed over ranks, non-zero where any rank has it),
     and the result is ``{id(param): present on some rank}``; otherwise ``present`` must be
     that mapping from an earlier call. A gradient that is ``None`` here but present elsewhere
-    is created. The copy is allocated after the backward, when the step's activations are gone.
+    is created. ``extra`` values ride after the flags and come back summed over ranks. The
+    copy is allocated after the backward, when the step's activations are gone.
     """
     anchor = params[0] if params else flags_for[0]
     # flags ride in the bucket's own dtype: a sum of 0s and 1s is non-zero exactly when one was 1
     dtype = anchor.dtype if anchor.is_floating_point() else torch.float32
     numels = [p.numel() for p in params]
-    flat = torch.empty(sum(numels) + len(flags_for), dtype=dtype, device=anchor.device)
+    tail = 0 if extra is None else extra.numel()
+    flat = torch.empty(sum(numels) + len(flags_for) + tail, dtype=dtype, device=anchor.device)
     offset = 0
     for p, n in zip(params, numels):
         view = flat.narrow(0, offset, n)
@@ -130,10 +146,13 @@ def _all_reduce_packed(
     if flags_for:
         flags = torch.tensor([p.grad is not None for p in flags_for], dtype=dtype)
         flat.narrow(0, offset, len(flags_for)).copy_(flags)
+    if extra is not None:
+        flat.narrow(0, offset + len(flags_for), tail).copy_(extra.detach().reshape(-1))
     dist.all_reduce(flat, group=group)
     if flags_for:
         present = {id(p): v != 0 for p, v in zip(flags_for, flat.narrow(0, offset, len(flags_for)).tolist())}
     assert present is not None
+    summed = None if extra is None else flat.narrow(0, offset + len(flags_for), tail).to(extra.dtype, copy=True)
     offset = 0
     for p, n in zip(params, numels):
         view = flat.narrow(0, offset, n).view_as(p)
@@ -142,7 +161,7 @@ def _all_reduce_packed(
             p.grad.copy_(view)
         elif present[id(p)]:
             p.grad = view.clone()
-    return present
+    return present, summed
 
 
 def _broadcast_bucket(buffers: list[torch.Tensor], group: Any) -> None:

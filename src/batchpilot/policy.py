@@ -168,6 +168,22 @@ class MicroBatchPolicy:
         assert size is not None
         return size
 
+    def rebase(self, limit: int, cap: int) -> None:
+        """A new ``limit`` (the global batch changed): the micro-batch becomes the efficient size at most ``cap``.
+
+        ``cap`` is the micro-batch memory allowed before the change, so a ramp 96 → 128 over a
+        cap of 64 goes 48 → 64, not 48 → 43. A growth on probation is confirmed; the clean count
+        goes on.
+
+        Example: ``limit=64, micro=64``; ``rebase(96, 64)`` → micro 48; ``rebase(128, 64)`` → 64.
+
+        Raises:
+            ValueError: ``limit`` or ``cap`` is not a positive int.
+        """
+        self.limit = positive_int("limit", limit)
+        self.micro = efficient_size(limit, min(positive_int("cap", cap), limit))
+        self.previous = None
+
     def adopt(self, micro: int) -> None:
         """Take a size decided elsewhere (e.g. the minimum over ranks); a smaller one ends probation."""
         positive_int("micro", micro)

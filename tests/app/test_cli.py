@@ -249,6 +249,8 @@ def test_bad_arguments_exit_2_without_traceback():
     (("train", "--grad-accum-steps", "300"), "grad-accum-steps"),
     (("find", "--compile", "inductr", "--capacity", "1MiB"), "no such torch.compile backend"),
     (("find", "--capacity", "1MiB", "--objective", "throughput", "--timed-steps", "0"), "--timed-steps 0"),
+    (("train", "--batch-schedule", "adaptive", "--noise", "off"), "follows the gradient noise scale"),
+    (("train", "--batch-schedule", "adaptive:min=20,max=30,granule=16", "--no-progress"), "no multiple of"),
 ])
 def test_user_errors_exit_2(cli, argv, needle):
     status, out, err = cli(*argv)
@@ -353,6 +355,61 @@ def test_train_a_factory_model_on_images(cli, tmp_path):
     assert log["dataset"]["sample_shape"] == [1, 8, 8]
     assert log["config"]["model"].endswith(":build")
     assert log["accuracy"] > 0.8  # softmax regression on digits
+
+
+def test_train_ramp_moves_the_global_batch_and_the_lr(cli, tmp_path):
+    """Megatron's ramp from 32 to --batch-size 128 over 1500 samples: the sampler follows (each
+    sample once per epoch), the LR follows by the sqrt rule (AdamW), the noise scale is logged."""
+    status, out, err = cli("train", "--model", "mlp", "--epochs", "2", "--capacity", "none", "--no-progress",
+                           "--no-plot", "--json", "--out", str(tmp_path), "--batch-schedule", "ramp:32,32,1500",
+                           "--grad-accum-steps", "16")
+    assert status == 0, err
+    log = json.loads(out)
+    assert set(log) == report.SCHEMAS["train"] and set(log["schedule"]) == report.SCHEMAS["schedule"]
+    assert all(set(s) == report.SCHEMAS["step"] for s in log["steps"])
+    assert all(set(c) == report.SCHEMAS["batch_change"] for c in log["batch_changes"])
+    assert log["schedule"] == {"spec": "ramp:32,32,1500", "lr_rule": "sqrt", "scale_weight_decay": False}
+    globals_ = [s["global_batch_size"] for s in log["steps"]]
+    consumed, want = 0, []
+    for g in globals_:  # Megatron's formula: 3 increments, one per 500 samples
+        want.append(min(128, 32 + 32 * (consumed * 3 // 1500)))
+        consumed += g
+    assert globals_ == want and globals_[0] == 32 and globals_[-1] == 128
+    assert [c["to"] for c in log["batch_changes"]] == [64, 96, 128]
+    assert log["samples_seen"] == sum(globals_)
+    # within each epoch no sample twice: at most one short tail dropped (drop_last) per epoch
+    per_epoch = [sum(g for s, g in zip(log["steps"], globals_) if s["epoch"] == e) for e in (0, 1)]
+    assert all(log["dataset"]["num_train"] - 128 < n <= log["dataset"]["num_train"] for n in per_epoch)
+    # the LR is the one for --batch-size, rescaled by sqrt(global / 128), under a cosine over samples
+    scaled = log["lr"]["scaled"]
+    first = log["steps"][0]
+    assert math.isclose(first["lr"], scaled * math.sqrt(32 / 128), rel_tol=1e-9)
+    done = 0
+    for s in log["steps"]:
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, done / (2 * log["dataset"]["num_train"]))))
+        assert math.isclose(s["lr"], scaled * math.sqrt(s["global_batch_size"] / 128) * cosine, rel_tol=1e-6)
+        done += s["global_batch_size"]
+    # micro-batches of 128 / 16 = 8: the first of each step measures the noise scale
+    assert all(set(s["noise"]) == report.SCHEMAS["noise"] for s in log["steps"] if s["noise"] is not None)
+    assert log["steps"][0]["noise"]["small_batch"] == 8 and log["steps"][0]["noise"]["big_batch"] == 32
+    assert log["noise_scale"] > 0 and log["accuracy"] > 0.8
+
+
+def test_train_adaptive_follows_the_noise_scale(cli, tmp_path):
+    status, out, err = cli("train", "--model", "mlp", "--epochs", "2", "--capacity", "none", "--no-progress",
+                           "--out", str(tmp_path), "--batch-schedule", "adaptive:min=16,every=4", "--noise", "every",
+                           "--batch-size", "256", "--scale-weight-decay", "--opt", "adamw")
+    assert status == 0, err
+    assert "global batch (adaptive:k=1,min=16,every=4,granule=8,max_factor=2): 16 -> " in out
+    assert "gradient noise scale B_simple at the end: " in out
+    assert "the schedule starts at" in out
+    log = json.loads((tmp_path / "run.json").read_text())
+    globals_ = [s["global_batch_size"] for s in log["steps"]]
+    assert globals_ == sorted(globals_) and all(g % 8 == 0 and 16 <= g <= 256 for g in globals_)
+    assert len(set(globals_)) > 2
+    assert all(s["noise"]["small_count"] >= 2 for s in log["steps"])  # every micro-batch (a lone one is split)
+    png = tmp_path / "run.png"
+    assert png_size(png) == report.FIGURE_SIZE_PX
 
 
 def test_train_human_output(cli, tmp_path):
@@ -541,6 +598,10 @@ def test_module_function_is_found_in_the_current_directory(cli, tmp_path, monkey
     (("find", "--capacity", "1MiB", "--objective", "fastest"), "invalid choice: 'fastest'"),
     (("find", "--capacity", "1MiB", "--speed-tolerance", "5%"), "expected a number"),
     (("find", "--capacity", "1MiB", "--speed-tolerance", "0.7"), "must be in [0, 0.5)"),
+    (("train", "--batch-schedule", "rmp:32,32,1000"), "unknown batch schedule 'rmp:32,32,1000'"),
+    (("train", "--batch-schedule", "ramp:32,32"), "a ramp is ramp:START,INCR,SAMPLES"),
+    (("train", "--batch-schedule", "adaptive:kk=2"), "unknown adaptive key 'kk'"),
+    (("train", "--noise", "all"), "invalid choice: 'all'"),
 ])
 def test_typos_are_argparse_usage_errors(cli, argv, needle):
     status, out, err = cli(*argv)

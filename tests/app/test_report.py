@@ -158,6 +158,28 @@ def test_run_plot_without_finder_or_capacity(tmp_path):
     assert png_size(path) == report.FIGURE_SIZE_PX
 
 
+def test_batch_changes_and_the_batch_and_noise_panel(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [dict(s, global_batch_size=32 if s["step"] <= 10 else 64,
+                  noise_scale=None if s["step"] < 3 else (math.inf if s["step"] == 4 else 10.0 * s["step"]))
+             for s in _steps(20)]
+    assert report.batch_changes(steps) == [{"step": 10, "from": 32, "to": 64}]
+    assert report.batch_changes(_steps(5)) == []
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    report.plot_batch_and_noise(ax, steps)
+    batch_line, noise_line = ax.get_lines()
+    assert list(batch_line.get_ydata()) == [s["global_batch_size"] for s in steps]
+    # unmeasured and infinite values are left out of the noise line
+    assert list(noise_line.get_xdata()) == [s["step"] for s in steps if s["step"] >= 3 and s["step"] != 4]
+    assert ax.get_yscale() == "log"
+    path = report.save_run_plot(None, steps, tmp_path / "run.png")
+    assert png_size(path) == report.FIGURE_SIZE_PX
+
+
 def test_run_plot_draws_what_the_run_did(tmp_path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -67,12 +67,20 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     plan                      the finder's plan: the ``find`` keys from strategy on, or
                               null when --grad-accum-steps skipped the finder
     lr                        {base, base_size, rule "linear"|"sqrt"|"none", scaled}
+                              (scaled: the LR at config.batch_size; a schedule rescales it)
     split                     the engine's first split of the batch: {micro_batch_size,
                                 accum_steps, largest_fitting, predicted_seconds|null,
                                 fewest_seconds|null, reason} | null
     steps                     [{step, epoch, loss, micro_batch_size, accum_steps, ooms,
-                                peak_bytes, capacity_bytes|null, seconds, micro_batch_reason}]
+                                peak_bytes, capacity_bytes|null, seconds, micro_batch_reason,
+                                global_batch_size, lr (this step's),
+                                noise_scale (B_simple in samples, EMA) | null,
+                                noise {grad_sq, trace, grad_sq_ema, trace_ema, small_batch,
+                                       small_count, big_batch} | null}]
     micro_batch_changes       [{step, from, to, reason}]
+    schedule                  {spec, lr_rule, scale_weight_decay}
+    batch_changes             [{step, from, to}]: the global batch after ``step`` differs
+    noise_scale               B_simple at the end (EMA, samples) | null
     accuracy                  held-out accuracy in [0, 1]
     samples_seen, optimizer_steps, total_ooms, seconds
 """
@@ -100,8 +108,10 @@ __all__ = [
     "format_seconds",
     "trials_table",
     "micro_batch_changes",
+    "batch_changes",
     "plot_memory_fit",
     "plot_run_timeline",
+    "plot_batch_and_noise",
     "save_run_plot",
     "save_find_plot",
     "progress",
@@ -139,6 +149,7 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "train": frozenset({
         "schema_version", "command", "config", "dataset", "device", "plan", "lr", "steps",
         "micro_batch_changes", "accuracy", "samples_seen", "optimizer_steps", "total_ooms", "seconds", "split",
+        "schedule", "batch_changes", "noise_scale",
     }),
     "split": frozenset({"micro_batch_size", "accum_steps", "largest_fitting", "predicted_seconds",
                         "fewest_seconds", "reason"}),
@@ -151,11 +162,15 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "lr": frozenset({"base", "base_size", "rule", "scaled"}),
     "step": frozenset({
         "step", "epoch", "loss", "micro_batch_size", "accum_steps", "ooms", "peak_bytes",
-        "capacity_bytes", "seconds", "micro_batch_reason",
+        "capacity_bytes", "seconds", "micro_batch_reason", "global_batch_size", "lr", "noise_scale", "noise",
     }),
+    "noise": frozenset({"grad_sq", "trace", "grad_sq_ema", "trace_ema", "small_batch", "small_count", "big_batch"}),
+    "schedule": frozenset({"spec", "lr_rule", "scale_weight_decay"}),
+    "batch_change": frozenset({"step", "from", "to"}),
     "dataset": frozenset({"name", "num_train", "num_held_out", "num_classes", "sample_shape"}),
     "train.config": frozenset({
-        "model", "image_inputs", "epochs", "batch_size", "grad_accum_steps", "optimizer", "lr_base",
+        "model", "image_inputs", "epochs", "batch_size", "batch_schedule", "noise", "scale_weight_decay",
+        "grad_accum_steps", "optimizer", "lr_base",
         "lr_base_size", "lr_base_scale", "weight_decay", "sched", "clip_grad", "amp", "device", "target",
         "capacity", "strategy", "grow_after", "squeeze_at", "squeeze_steps", "squeeze_capacity", "held_out",
         "seed", "out", "plot", "progress",
@@ -163,8 +178,8 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "micro_batch_change": frozenset({"step", "from", "to", "reason"}),
 }
 
-#: Width and height in pixels of every PNG written here.
-FIGURE_SIZE_PX = (1200, 450)
+#: Width and height in pixels of every PNG written here (three panels side by side).
+FIGURE_SIZE_PX = (1800, 450)
 _DPI = 100
 
 _OUTCOME_STYLE = {  # outcome -> (colour, marker, legend label)
@@ -331,6 +346,15 @@ def trials_table(trials: Sequence[Mapping[str, Any]]) -> str:
     return format_table(("#", "batch", "outcome", "peak memory", "seconds", "samples/s"), rows)
 
 
+def batch_changes(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
+    """Where the global batch changed over a run: ``[{step, from, to}]``, ``step`` the last at ``from``."""
+    changes = []
+    for prev, cur in zip(steps, steps[1:]):
+        if cur.get("global_batch_size") != prev.get("global_batch_size"):
+            changes.append({"step": prev["step"], "from": prev["global_batch_size"], "to": cur["global_batch_size"]})
+    return changes
+
+
 def micro_batch_changes(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Where the micro-batch size changed over a run, and why: ``[{step, from, to, reason}]``."""
     changes = []
@@ -443,9 +467,34 @@ def plot_run_timeline(ax: Any, steps: Sequence[Mapping[str, Any]]) -> None:
     ax.set_title("micro-batch and peak memory over the run")
 
 
+def plot_batch_and_noise(ax: Any, steps: Sequence[Mapping[str, Any]]) -> None:
+    """The global batch and the gradient noise scale ``B_simple`` (both in samples, log axis) over the steps."""
+    xs = [s["step"] for s in steps]
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("samples")
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title("global batch and gradient noise scale")
+    batches = [s.get("global_batch_size") for s in steps]
+    if any(b for b in batches):
+        ax.step(xs, batches, where="post", color="tab:green", lw=1.8, label="global batch")
+    noise = [(x, s["noise_scale"]) for x, s in zip(xs, steps)
+             if isinstance(s.get("noise_scale"), (int, float)) and math.isfinite(s["noise_scale"]) and s["noise_scale"] > 0]
+    if noise:
+        ax.plot([x for x, _ in noise], [v for _, v in noise], color="tab:purple", lw=1.2,
+                label="noise scale B_simple (EMA)")
+    if not noise and not any(b for b in batches):
+        ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="tab:gray")
+        return
+    if not noise:
+        ax.text(0.5, 0.9, "noise scale not measured", ha="center", va="center", transform=ax.transAxes,
+                color="tab:gray", fontsize=8)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def save_run_plot(plan: Mapping[str, Any] | None, steps: Sequence[Mapping[str, Any]], path: str | os.PathLike,
                   *, title: str | None = None) -> Path:
-    """Write the two-panel run figure (:func:`plot_memory_fit`, :func:`plot_run_timeline`) as a PNG.
+    """Write the run figure as a PNG: :func:`plot_memory_fit`, :func:`plot_run_timeline`, :func:`plot_batch_and_noise`.
 
     The image is exactly :data:`FIGURE_SIZE_PX` pixels.
 
@@ -462,9 +511,10 @@ def save_run_plot(plan: Mapping[str, Any] | None, steps: Sequence[Mapping[str, A
     w, h = FIGURE_SIZE_PX
     fig = Figure(figsize=(w / _DPI, h / _DPI), dpi=_DPI)
     FigureCanvasAgg(fig)
-    left, right = fig.subplots(1, 2)
+    left, middle, right = fig.subplots(1, 3)
     plot_memory_fit(left, plan)
-    plot_run_timeline(right, steps)
+    plot_run_timeline(middle, steps)
+    plot_batch_and_noise(right, steps)
     if title:
         fig.suptitle(title, fontsize=10)
     # no bbox_inches="tight": it would change the pixel size the schema promises

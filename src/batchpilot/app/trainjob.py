@@ -11,6 +11,9 @@
    ``torch.OutOfMemoryError`` past it); on CUDA ``capacity`` caps the memory fraction.
    A *squeeze* lowers the capacity for a window of steps, as another job grabbing memory
    would: the engine runs out of memory, shrinks, and grows back when the memory returns.
+6. The engine measures the gradient noise scale (:mod:`batchpilot.noise`, with the
+   finite-population correction for the training split), and a batch schedule
+   (:mod:`batchpilot.schedule`) may move the global batch; the sampler follows it.
 
 The run log is a plain dict (schema: :mod:`batchpilot.app.report`), written with the plot to
 ``out`` when given. Nothing here prints; progress goes to a tqdm bar on stderr.
@@ -37,7 +40,9 @@ from ..engine import Engine, EngineConfig, StepResult
 from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from ..loss import supervised_loss
 from ..models import MLP, SmallCNN
+from ..noise import NOISE_MODES, NoiseConfig
 from ..oom import is_oom
+from ..schedule import BatchSchedule, ConstantSchedule, parse_schedule
 from ..search import STRATEGIES
 from . import report
 from .datasets import DigitsSplit, load_digits
@@ -56,6 +61,9 @@ DEFAULT_CPU_CAPACITY = 2 * 1024**2
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 _SCHEDULES = ("cosine", "none")
+#: ``noise``: ``auto`` (``every`` under a schedule that follows the noise scale, else ``first``),
+#: the engine's measurement mode, or ``off``.
+NOISE_CHOICES = ("auto", *NOISE_MODES, "off")
 
 
 class JobError(ValueError):
@@ -72,7 +80,14 @@ class TrainConfig:
             its signature accepts; it sees flat features unless ``image_inputs``).
         image_inputs: feed a factory model ``1×8×8`` images instead of 64 features.
         epochs: passes over the training split.
-        batch_size: the global batch: samples per optimizer step, held fixed.
+        batch_size: the global batch: samples per optimizer step, held fixed (with a batch
+            schedule: the batch the LR is tuned for, the ramp's final batch, adaptive's maximum).
+        batch_schedule: ``constant``, ``ramp:START,INCR,SAMPLES`` or ``adaptive[:k=K,min=N,...]``
+            (:func:`batchpilot.schedule.parse_schedule`); the LR follows by ``lr_base_scale``.
+        noise: how the engine measures the gradient noise scale: ``auto`` (``every`` under the
+            adaptive schedule, else ``first``), ``first``, ``every`` or ``off``.
+        scale_weight_decay: at each batch change rescale weight decay too, keeping AdamW's
+            timescale ``B / (lr × wd × N)`` (Bergsma et al. 2025).
         grad_accum_steps: start at ``ceil(batch_size / grad_accum_steps)`` per micro-batch
             instead of asking the finder; the engine still adapts.
         optimizer: ``sgd`` (momentum 0.9), ``adam`` or ``adamw``.
@@ -107,6 +122,9 @@ class TrainConfig:
     image_inputs: bool = False
     epochs: int = 10
     batch_size: int = 128
+    batch_schedule: str = "constant"
+    noise: str = "auto"
+    scale_weight_decay: bool = False
     grad_accum_steps: int | None = None
     optimizer: str = "adamw"
     lr_base: float = 0.01
@@ -143,6 +161,12 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_base_scale", self.lr_base_scale, LR_SCALE_RULES)
         _choice("sched", self.sched, _SCHEDULES)
+        _choice("noise", self.noise, NOISE_CHOICES)
+        # parses batch_schedule and checks its bounds: a typo fails here, before any work
+        self.schedule().initial(self.batch_size, 1)
+        if self.noise == "off" and self.schedule().reads_noise:
+            raise ValueError(f"batch_schedule {self.batch_schedule!r} follows the gradient noise scale; "
+                             "it needs noise 'auto', 'first' or 'every', not 'off'")
         _choice("strategy", self.strategy, tuple(STRATEGIES))
         if self.amp is not None:
             _choice("amp", self.amp, AMP_MODES)
@@ -170,6 +194,15 @@ class TrainConfig:
                 f"squeeze_capacity {format_bytes(self.squeeze_capacity)} must be below capacity "
                 f"{format_bytes(self.capacity)}: a squeeze takes memory away"
             )
+
+    def schedule(self) -> BatchSchedule:
+        """``batch_schedule`` parsed, with the LR rule of ``lr_base_scale``.
+
+        Raises:
+            ValueError: the spec does not parse; the message lists the accepted spellings.
+        """
+        return parse_schedule(self.batch_schedule, lr_rule=self.lr_base_scale,
+                              scale_weight_decay=self.scale_weight_decay)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-ready values (a factory is named by its qualified name)."""
@@ -306,22 +339,34 @@ def _resolve_capacity(config: TrainConfig, device: torch.device) -> int | None:
 
 @dataclass(kw_only=True)
 class _Squeeze:
-    start: int  # first squeezed step, 1-based
-    stop: int  # first step after the squeeze
+    start: int  # first squeezed step, 1-based (or, by_samples, samples trained before it)
+    stop: int  # first step after the squeeze (or samples)
     capacity: int
+    by_samples: bool = False
+
+    def position(self, step: int, samples_before: int) -> int:
+        return samples_before if self.by_samples else step
 
 
-def _resolve_squeeze(config: TrainConfig, capacity: int | None, total_steps: int) -> _Squeeze | None:
+def _resolve_squeeze(config: TrainConfig, capacity: int | None, total_steps: int,
+                     total_samples: int | None = None) -> _Squeeze | None:
+    """The squeeze window; under a batch schedule (``total_samples`` given) "auto" is the middle third of the samples."""
     if config.squeeze_at is None or capacity is None:
         return None
-    start = max(2, total_steps // 3 + 1) if config.squeeze_at == "auto" else int(config.squeeze_at)
-    steps = config.squeeze_steps if config.squeeze_steps is not None else max(1, total_steps // 3)
     squeezed = config.squeeze_capacity if config.squeeze_capacity is not None else capacity // 2
     if squeezed >= capacity:
         raise JobError(
             f"squeeze_capacity {format_bytes(squeezed)} must be below the capacity {format_bytes(capacity)}"
         )
-    if start > total_steps:
+    if total_samples is not None and config.squeeze_at == "auto":
+        # the number of steps depends on the schedule: from a third of the samples, for a third
+        # of them (or squeeze_steps batches of batch_size)
+        length = total_samples // 3 if config.squeeze_steps is None else config.squeeze_steps * config.batch_size
+        return _Squeeze(start=total_samples // 3, stop=total_samples // 3 + length, capacity=int(squeezed),
+                        by_samples=True)
+    start = max(2, total_steps // 3 + 1) if config.squeeze_at == "auto" else int(config.squeeze_at)
+    steps = config.squeeze_steps if config.squeeze_steps is not None else max(1, total_steps // 3)
+    if start > total_steps and total_samples is None:
         logger.warning("squeeze_at %d is after the last step (%d): no squeeze", start, total_steps)
         return None
     return _Squeeze(start=start, stop=start + steps, capacity=int(squeezed))
@@ -339,7 +384,7 @@ def _accuracy(model: nn.Module, split: DigitsSplit, device: torch.device, batch_
     return correct / split.num_test
 
 
-def _step_record(step: int, epoch: int, res: StepResult, capacity: int | None) -> dict[str, Any]:
+def _step_record(step: int, epoch: int, res: StepResult, capacity: int | None, lr: float) -> dict[str, Any]:
     return {
         "step": step,
         "epoch": epoch,
@@ -351,6 +396,10 @@ def _step_record(step: int, epoch: int, res: StepResult, capacity: int | None) -
         "capacity_bytes": capacity,
         "seconds": res.seconds,
         "micro_batch_reason": res.micro_batch_reason,
+        "global_batch_size": res.global_batch_size,
+        "lr": lr,
+        "noise_scale": res.noise_scale,
+        "noise": None if res.noise is None else res.noise.to_dict(),
     }
 
 
@@ -367,34 +416,47 @@ class _Run:
 
 
 def _train_loop(config: TrainConfig, engine: Engine, split: DigitsSplit, device: torch.device,
-                capacity: int | None, squeeze: _Squeeze | None, total_steps: int) -> _Run:
-    """Every epoch through the elastic sampler, one ``engine.step`` per global batch."""
-    sampler = ElasticBatchSampler(split.num_train, config.batch_size, shuffle=True, seed=config.seed,
+                capacity: int | None, squeeze: _Squeeze | None, total_steps: int | None) -> _Run:
+    """Every epoch through the elastic sampler, one ``engine.step`` per global batch.
+
+    The sampler follows the engine's batch (a schedule may change it after any step): each
+    sample is seen once per epoch whatever the batch sizes, and a short tail is dropped.
+    ``total_steps`` is ``None`` under a schedule; the bar then counts samples.
+    """
+    sampler = ElasticBatchSampler(split.num_train, engine.per_rank_batch_size, shuffle=True, seed=config.seed,
                                   drop_last=True, num_replicas=1, rank=0)
     probe = get_probe(device)
     run = _Run(steps=[], samples_seen=0)
-    bar = report.progress(total=total_steps, desc="train", enabled=config.progress, unit="step")
+    by_samples = total_steps is None
+    bar = report.progress(total=config.epochs * split.num_train if by_samples else total_steps, desc="train",
+                          enabled=config.progress, unit="sample" if by_samples else "step")
     squeeze_scope = contextlib.ExitStack()
+    squeezed = False
     step = 0
     try:
         for epoch in range(config.epochs):
             sampler.set_epoch(epoch)
             for indices in sampler:
                 step += 1
-                if squeeze is not None and step == squeeze.start:
+                at = 0 if squeeze is None else squeeze.position(step, run.samples_seen)
+                if squeeze is not None and not squeezed and squeeze.start <= at < squeeze.stop:
                     logger.info("step %d: capacity squeezed to %s", step, format_bytes(squeeze.capacity))
                     squeeze_scope.enter_context(emulate_capacity(squeeze.capacity, device))
-                elif squeeze is not None and step == squeeze.stop:
+                    squeezed = True
+                elif squeezed and at >= squeeze.stop:
                     logger.info("step %d: capacity back to %s", step, format_bytes(capacity or 0))
                     squeeze_scope.close()
+                    squeezed = False
+                lr = engine.optimizer.param_groups[0]["lr"]
                 res = engine.step(split.batch(indices))
                 sampler.mark_consumed()
+                sampler.set_batch_size(engine.per_rank_batch_size)
                 run.samples_seen += res.samples
-                record = _step_record(step, epoch, res, probe.capacity() if capacity is not None else None)
+                record = _step_record(step, epoch, res, probe.capacity() if capacity is not None else None, float(lr))
                 run.steps.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", micro=res.micro_batch_size, accum=res.accum_steps,
-                                peak=format_bytes(res.peak_bytes), refresh=False)
-                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", batch=res.global_batch_size, micro=res.micro_batch_size,
+                                accum=res.accum_steps, peak=format_bytes(res.peak_bytes), refresh=False)
+                bar.update(res.samples if by_samples else 1)
     finally:
         squeeze_scope.close()
         bar.close()
@@ -422,6 +484,7 @@ def run_training(config: TrainConfig) -> TrainResult:
         batchpilot.engine.BatchDoesNotFitError: even a micro-batch of 1 ran out of memory.
         JobError: a global batch larger than the training split, a squeeze that does not
             take memory away, or a model factory that returns no module.
+        ValueError: a batch schedule whose batches do not fit its bounds.
     """
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
@@ -432,7 +495,11 @@ def run_training(config: TrainConfig) -> TrainResult:
         raise JobError(
             f"batch_size {config.batch_size} is larger than the {split.num_train} training samples; lower it"
         )
-    total_steps = steps_per_epoch * config.epochs
+    schedule = config.schedule()
+    scheduled = not isinstance(schedule, ConstantSchedule)
+    # under a schedule the number of steps is not known up front: the run is epochs of samples
+    total_steps = None if scheduled else steps_per_epoch * config.epochs
+    total_samples = config.epochs * split.num_train
     device = resolve_device(config.device)
     model = _build_model(config, split).to(device)
     inputs, other = ("1x8x8 images", "64 features without") if image else ("64 features", "1x8x8 images with")
@@ -445,10 +512,24 @@ def run_training(config: TrainConfig) -> TrainResult:
     if rule == "auto":
         rule = "sqrt" if is_adaptive(opt_class) else "linear"
     optimizer = make_optimizer(config.optimizer, model.parameters(), lr=lr, weight_decay=config.weight_decay)
-    scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-                 if config.sched == "cosine" else None)
+    holder: dict[str, Engine] = {}
+    scheduler = None
+    if config.sched == "cosine" and not scheduled:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    elif config.sched == "cosine":
+        def cosine(_: int) -> float:
+            # over samples, not steps; the engine steps the scheduler after the optimizer and
+            # before counting the batch, so the samples done are its count plus this batch
+            engine = holder.get("engine")
+            done = 0 if engine is None else engine.samples_seen + engine.global_batch_size
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, done / total_samples)))
+
+        # LambdaLR scales base_lrs, which the engine's LR rescaling moves at each batch change
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
     capacity = _resolve_capacity(config, device)
-    squeeze = _resolve_squeeze(config, capacity, total_steps)
+    squeeze = _resolve_squeeze(config, capacity, total_steps or 0, total_samples if scheduled else None)
+    mode = ("every" if schedule.reads_noise else "first") if config.noise == "auto" else config.noise
+    noise = False if config.noise == "off" else NoiseConfig(mode=mode, dataset_size=split.num_train)
     # None: the engine runs the finder on the first batch; an int skips it
     start = None if config.grad_accum_steps is None else -(-config.batch_size // config.grad_accum_steps)
     with contextlib.ExitStack() as device_scope:
@@ -467,7 +548,9 @@ def run_training(config: TrainConfig) -> TrainResult:
                 grow_after=config.grow_after,
                 find_options={"capacity": capacity, "strategy": config.strategy, "progress": config.progress},
             ),
+            noise=noise, schedule=schedule if scheduled else None,
         )
+        holder["engine"] = engine
         run = _train_loop(config, engine, split, device, capacity, squeeze, total_steps)
     accuracy = _accuracy(model, split, device, config.batch_size)
     log = {
@@ -487,6 +570,9 @@ def run_training(config: TrainConfig) -> TrainResult:
         "lr": {"base": config.lr_base, "base_size": config.lr_base_size, "rule": rule, "scaled": lr},
         "steps": run.steps,
         "micro_batch_changes": report.micro_batch_changes(run.steps),
+        "schedule": {"spec": schedule.describe(), "lr_rule": rule, "scale_weight_decay": config.scale_weight_decay},
+        "batch_changes": report.batch_changes(run.steps),
+        "noise_scale": engine.noise_scale,
         "accuracy": accuracy,
         "samples_seen": run.samples_seen,
         "optimizer_steps": len(run.steps),

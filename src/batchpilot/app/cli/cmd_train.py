@@ -11,9 +11,10 @@ import torch
 from ...amp import AMP_MODES
 from ...batching import LR_SCALE_RULES
 from ...memory import format_bytes
+from ...schedule import SCHEDULE_SPECS, parse_schedule
 from ...search import STRATEGIES
 from .. import report
-from ..trainjob import DEFAULT_CPU_CAPACITY, OPTIMIZERS, TrainConfig, TrainResult, run_training
+from ..trainjob import DEFAULT_CPU_CAPACITY, NOISE_CHOICES, OPTIMIZERS, TrainConfig, TrainResult, run_training
 from .common import (
     UsageError, add_verbose, byte_size, device_or_fail, fraction, non_negative_int, positive_float, positive_int,
 )
@@ -30,6 +31,14 @@ def _capacity(text: str) -> int | str | None:
 
 def _squeeze_at(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
+
+
+def _batch_schedule(text: str) -> str:
+    try:
+        parse_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -62,7 +71,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     o = p.add_argument_group("optimisation (names as in timm)")
     o.add_argument("--epochs", type=positive_int, default=10, help="passes over the training split (default: %(default)s)")
     o.add_argument("-b", "--batch-size", metavar="N", type=positive_int, default=128,
-                   help="global batch: samples per optimizer step, held fixed whatever the memory (default: %(default)s)")
+                   help="global batch: samples per optimizer step, held fixed whatever the memory; with "
+                        "--batch-schedule the batch the LR is set for, the ramp's final batch and adaptive's "
+                        "largest (default: %(default)s)")
+    o.add_argument("--batch-schedule", metavar="SPEC", type=_batch_schedule, default="constant",
+                   help=f"how the global batch moves during the run: {SCHEDULE_SPECS}. ramp: Megatron's, from START "
+                        "up to --batch-size by INCR, evenly over SAMPLES samples; adaptive: k x the measured "
+                        "gradient noise scale, between min (default batch-size/8) and max (default batch-size), "
+                        "changed at most every `every` steps, by at most max_factor, upward only unless "
+                        "decrease=yes. The LR follows by --lr-base-scale (default: %(default)s)")
+    o.add_argument("--noise", choices=NOISE_CHOICES, default="auto",
+                   help="measure the gradient noise scale from the first micro-batch (nearly free; EMA over about "
+                        "200 steps), every micro-batch (settles several times faster, one gradient norm per "
+                        "micro-batch), or off; auto = every under the adaptive schedule, else first "
+                        "(default: %(default)s)")
+    o.add_argument("--scale-weight-decay", action="store_true",
+                   help="at each change of the global batch also rescale weight decay, keeping AdamW's timescale "
+                        "B/(lr x wd x N) (Bergsma et al. 2025); off by default")
     o.add_argument("--grad-accum-steps", metavar="N", type=positive_int, default=None,
                    help="start with batch-size/N samples per micro-batch instead of asking the finder; "
                         "the engine still adapts (default: ask the finder)")
@@ -128,6 +153,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     try:
         return TrainConfig(
             model=model, image_inputs=args.image_inputs, epochs=args.epochs, batch_size=args.batch_size,
+            batch_schedule=args.batch_schedule, noise=args.noise, scale_weight_decay=args.scale_weight_decay,
             grad_accum_steps=args.grad_accum_steps, optimizer=args.optimizer, lr_base=args.lr_base,
             lr_base_size=args.lr_base_size, lr_base_scale=args.lr_base_scale, weight_decay=args.weight_decay,
             sched=args.sched, clip_grad=args.clip_grad, amp=args.amp, device=device, target=args.target,
@@ -151,14 +177,25 @@ def _human(result: TrainResult) -> str:
                   f"largest batch under the limit: {plan['batch_size']} (limit {format_bytes(plan['limit_bytes'])} = "
                   f"{plan['target']:.0%} of {format_bytes(plan['capacity_bytes'])})"]
     if first is not None:
-        lines.append(f"global batch {log['config']['batch_size']} = micro-batch {first['micro_batch_size']} x "
+        lines.append(f"global batch {first['global_batch_size']} = micro-batch {first['micro_batch_size']} x "
                      f"{first['accum_steps']} accumulation steps at the start")
     lr = log["lr"]
-    lines.append(f"lr: {lr['base']:g} at batch {lr['base_size']} -> {lr['scaled']:.6g} at batch "
-                 f"{log['config']['batch_size']} ({lr['rule']} rule)")
+    line = (f"lr: {lr['base']:g} at batch {lr['base_size']} -> {lr['scaled']:.6g} at batch "
+            f"{log['config']['batch_size']} ({lr['rule']} rule)")
+    if first is not None and first["global_batch_size"] != log["config"]["batch_size"]:
+        line += f"; the schedule starts at {first['lr']:.6g} for batch {first['global_batch_size']}"
+    lines.append(line)
     trail = " ".join(f"-> {c['to']} (step {c['step']})" for c in log["micro_batch_changes"])
     start = first["micro_batch_size"] if first is not None else "-"
     lines.append(f"micro-batch over the run: {start} {trail}".rstrip() + f"; {log['total_ooms']} OOM recovered")
+    if log["batch_changes"] or log["schedule"]["spec"] != "constant":
+        changes = log["batch_changes"]
+        shown = changes if len(changes) <= 8 else changes[:4] + [None] + changes[-3:]
+        trail = " ".join("..." if c is None else f"-> {c['to']} (after step {c['step']})" for c in shown)
+        begin = first["global_batch_size"] if first is not None else "-"
+        lines.append(f"global batch ({log['schedule']['spec']}): {begin} {trail}".rstrip())
+    if log["noise_scale"] is not None:
+        lines.append(f"gradient noise scale B_simple at the end: {log['noise_scale']:.0f} samples (EMA)")
     lines.append(f"trained {log['optimizer_steps']} steps, {log['samples_seen']} samples in {log['seconds']:.1f} s")
     lines.append(f"held-out accuracy: {log['accuracy']:.2%} ({log['dataset']['num_held_out']} digits)")
     if result.json_path is not None:
