@@ -237,6 +237,7 @@ def find_batch_size(
     progress: bool = False,
     tolerance: float | None = None,
     snapshot: Literal["auto", "memory", "disk"] = "auto",
+    lockstep: Any = None,
 ) -> BatchPlan:
     """Find the largest batch size whose step peaks at or under ``target × capacity``.
 
@@ -281,6 +282,8 @@ def find_batch_size(
         snapshot: where the ``restore`` copies live: ``"memory"``, ``"disk"`` (a temporary
             file, so they do not compete with the job's memory), or ``"auto"``: disk on a
             real CPU when they are 5% of the memory the job can still grow into, or more.
+        lockstep: ranks that must run the same trials (FSDP2): the agreement hooks of
+            :func:`batchpilot.fsdp.find_batch_size_fsdp`, which passes them; leave it ``None``.
 
     Returns:
         A :class:`BatchPlan`.
@@ -320,13 +323,15 @@ def find_batch_size(
                 limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
                 min_batch_size=cfg.min_batch_size, max_batch_size=cfg.max_batch_size,
             )
+            if lockstep is not None:
+                space = lockstep.agree_space(space)  # one search for every rank: the smallest device
             logger.info(
                 "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
                 dev, policy.name, gauge.kind, format_bytes(space.limit_bytes), 100 * cfg.target,
                 format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.host else "",
             )
             bar = _progress_bar(cfg.progress, policy.name)
-            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap)
+            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap, lockstep)
 
             def report(t: Trial) -> None:
                 _log_trial(t, len(trial_fn.done), trial_fn.space)
@@ -447,16 +452,25 @@ class _TrialRunner:
     """Runs one trial: the steps under the gauge (and a tracker for the breakdown), OOM recovery, the restore."""
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
-                 steps: int, targets: list[Any], snapshot: StateSnapshot) -> None:
+                 steps: int, targets: list[Any], snapshot: StateSnapshot, lockstep: Any = None) -> None:
         self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
-        self.targets, self.snapshot = targets, snapshot
+        self.targets, self.snapshot, self.lockstep = targets, snapshot, lockstep
         self.space: SearchSpace | None = None
         self.done: list[Trial] = []
 
     def __call__(self, batch_size: int) -> Trial:
+        trial = self._run(batch_size)
+        if self.lockstep is not None:
+            # the same trial on every rank, then one view of it everywhere: the same next size
+            trial = self.lockstep.agree_trial(trial, self.space)
+        self.done.append(trial)
+        return trial
+
+    def _run(self, batch_size: int) -> Trial:
         refused = self._refuse(batch_size)
+        if self.lockstep is not None and self.lockstep.agree_refusal(refused is not None) and refused is None:
+            refused = Trial(batch_size=batch_size, outcome=REFUSED, peak_bytes=0, start_bytes=None)
         if refused is not None:
-            self.done.append(refused)
             return refused
         holder: list[Any] = []
         real = self.gauge.host
@@ -480,21 +494,25 @@ class _TrialRunner:
         base = None if self.gauge.kind == "tensors" else int(self.gauge.current())
         peaks: list[int] = []
 
-        def put_back() -> None:
+        def put_back(oom: bool = True) -> None:
             # the peak first: the restore allocates too. On a real CPU the trial's freed heap goes
             # back to the OS before the restore maps its copies (under RLIMIT_AS that mapping
             # counts, and right after a trial at the boundary there is no room for it otherwise)
             self.gauge.synchronize()
             peaks.append(int(self.gauge.peak()))
             self.gauge.close()
+            if oom and self.lockstep is not None:
+                self.lockstep.recover(batch_size)  # the collectives the other ranks still wait in
             if real:
                 free_memory(self.device)
             self.snapshot.restore()
 
+        if self.lockstep is not None:
+            self.lockstep.begin()
         # the restore runs after the OOM's traceback is gone, before memory is released
         outcome = attempt(run, device=self.device, on_oom=put_back)
         if not outcome.oom:
-            put_back()
+            put_back(oom=False)
         peak = peaks[0]
         seconds = time.perf_counter() - began
         m = holder[0] if holder else None
@@ -510,11 +528,9 @@ class _TrialRunner:
             kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
             bound = None
             peak_bytes = peak
-        trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=int(peak_bytes), start_bytes=start,
-                      seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
-                      bound_bytes=bound)
-        self.done.append(trial)
-        return trial
+        return Trial(batch_size=batch_size, outcome=kind, peak_bytes=int(peak_bytes), start_bytes=start,
+                     seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
+                     bound_bytes=bound)
 
     def _refuse(self, batch_size: int) -> Trial | None:
         """A trial predicted over a limit past which the process is killed is not run."""
