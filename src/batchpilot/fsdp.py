@@ -404,11 +404,9 @@ class FSDPCoordinator(DistributedCoordinator):
         record = self._failure_record()
         if record is None:
             return None
-        where = f"step {record['step']}, " if record.get("step") is not None else ""
         return CollectiveOOMError(
-            f"rank {record['rank']} ran out of memory at micro-batch {record['micro_batch_size']} ({where}"
-            f"{record['where']}) and could not rejoin the collectives this rank {self.rank} was waiting in: "
-            f"{record['message']}. {record['advice']}",
+            f"rank {record['rank']} ran out of memory at {record['at']}{record['message']}, and could not "
+            f"rejoin the collectives this rank {self.rank} was waiting in. {record['advice']}",
             rank=int(record["rank"]), micro_batch_size=int(record["micro_batch_size"]), step=record.get("step"),
         )
 
@@ -435,14 +433,17 @@ class FSDPCoordinator(DistributedCoordinator):
         rank = self.rank
         where = (f"while preparing FSDP's {kind}, collective {issued + 1} of the attempt" if kind
                  else f"after {issued} FSDP collectives of the attempt")
+        at = f"micro-batch {micro} (step {step}, {where})" if step is not None else \
+            f"the finder's trial at batch size {micro} ({where})"
         advice = ("Even one sample per micro-batch does not fit next to the unsharded parameters of a "
                   "block: shard more finely (fully_shard each block), use mixed precision "
                   "(MixedPrecisionPolicy(param_dtype=torch.bfloat16)) or a larger device")
-        record = {"rank": rank, "micro_batch_size": micro, "step": step, "where": where,
-                  "message": message, "advice": advice}
-        text = (f"rank {rank} ran out of memory at micro-batch {micro} ({f'step {step}, ' if step else ''}{where}) "
-                f"and again when replaying the attempt at one sample per micro-batch ({replay_message}); "
-                f"its peers wait for it in a collective, so the process group was aborted: {message}. {advice}")
+        first = f": {message}" if message else ""
+        record = {"rank": rank, "micro_batch_size": micro, "step": step, "at": at, "message": first,
+                  "advice": advice}
+        text = (f"rank {rank} ran out of memory at {at}{first}, and again when replaying the attempt at one "
+                f"sample per micro-batch ({replay_message}); its peers wait for it in a collective, so the "
+                f"process group was aborted. {advice}")
         logger.error("%s", text)
         if self._store is not None:
             self._store.set(_FAILURE_KEY, json.dumps(record))  # first: the peers read it when they fail
@@ -506,7 +507,7 @@ class _Lockstep:
         ledger.skip = 0
         coord._clean(None, self.device)
         if again.oom:
-            coord._give_up(batch_size, None, issued, kind, "out of memory in the finder's trial", again.message or "")
+            coord._give_up(batch_size, None, issued, kind, "", again.message or "")
         coord.replays += 1
 
     def agree_trial(self, trial: Trial, space: SearchSpace) -> Trial:
@@ -594,5 +595,11 @@ def find_batch_size_fsdp(
     from .memory import resolve_device  # the finder's default device, as it resolves it
 
     lockstep = _Lockstep(coord, replay, resolve_device(options.get("device")))
-    plan = find_batch_size(step, restore=items, lockstep=lockstep, **options)
+    try:
+        plan = find_batch_size(step, restore=items, lockstep=lockstep, **options)
+    except Exception as exc:
+        explained = coord.explain(exc)
+        if explained is None:
+            raise
+        raise explained from exc  # a peer could not rejoin: say which, not only that a socket closed
     return dataclasses.replace(plan, limited_by_rank=lockstep.tightest.get(plan.batch_size))
