@@ -21,6 +21,7 @@ Times on a shared 2-core machine are noisy: compare them within one run.
     python benchmarks/planner.py                 # everything
     python benchmarks/planner.py --quick         # batches up to 4096
     python benchmarks/planner.py --json out.json
+    python benchmarks/planner.py --sharded-only  # table 3 alone (the ~1B model at world 64)
 """
 
 from __future__ import annotations
@@ -145,18 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="batches up to 4096")
     p.add_argument("--json", type=Path, help="also write the tables as JSON")
+    p.add_argument("--sharded-only", action="store_true", help="only the sharded plans (table 3)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # one thread: comparable times on a shared machine
 
     batches = BATCHES[:-1] if args.quick else BATCHES
-    est = estimates_table(batches)
-    print_table("Fake estimates (Adam, 2 steps) vs the CPU tracker; CUDA columns: H100 allocator model",
-                est, ["model", "batch", "fake_seconds", "estimate_bytes", "tracker_bytes", "difference",
-                      "cuda_allocated", "cuda_reserved"])
-    plans = plans_table()
-    print_table("Plans (target 0.8)", plans,
-                ["model", "capacity", "device", "batch", "fake_runs", "seconds", "required_at_b", "limit"])
+    est, plans = [], []
+    if not args.sharded_only:
+        est = estimates_table(batches)
+        print_table("Fake estimates (Adam, 2 steps) vs the CPU tracker; CUDA columns: H100 allocator model",
+                    est, ["model", "batch", "fake_seconds", "estimate_bytes", "tracker_bytes", "difference",
+                          "cuda_allocated", "cuda_reserved"])
+        plans = plans_table()
+        print_table("Plans (target 0.8)", plans,
+                    ["model", "capacity", "device", "batch", "fake_runs", "seconds", "required_at_b", "limit"])
     sharded = sharded_table(["gpt-124m"] if args.quick else ["gpt-1b"])
     print_table("Sharded plans: one rank of 64, FSDP2 on a fake process group, H100-80GB, bf16, AdamW, "
                 "sequence 1024", sharded, ["model", "params", "world", "batch", "fake_runs", "seconds", "cpu_seconds",

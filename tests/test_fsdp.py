@@ -120,6 +120,8 @@ def test_engine_refuses_coordinators_and_fp16_that_cannot_run_fsdp(one_rank):
         Engine(model, opt, fc.ce_loss, global_batch_size=8, amp="fp16")
     with pytest.raises(ValueError, match="fully_shard"):
         FSDPCoordinator().bind(fc.build())
+    with pytest.raises(ValueError, match="find_batch_size_fsdp"):  # ranks cannot search alone
+        bd.find_batch_size_distributed(lambda b: None, restore=(model, opt), capacity="1MiB")
 
 
 def test_storage_tracker_counts_sharded_parameters_and_in_place_resizes(one_rank):
@@ -222,6 +224,8 @@ def test_find_batch_size_fsdp_agrees_after_each_trial_and_restores_the_shards(la
     assert r0["replays"] == 0 and r1["replays"] >= 1  # only rank 1 ran out; rank 0 waited for its replay
     assert r0["limited_by_rank"] == r1["limited_by_rank"] == 1
     assert r0["restored"] and r1["restored"] and r0["state_restored"] and r1["state_restored"]
+    for rank in (0, 1):  # the generic helper refuses a model sharded over ranks, naming the way out
+        assert "find_batch_size_fsdp" in _load(launched, f"find_rank{rank}.json")["generic"]
 
 
 def test_an_oom_no_replay_can_survive_ends_every_rank_with_the_rank_and_size(tmp_path):

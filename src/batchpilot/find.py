@@ -660,12 +660,20 @@ def find_batch_size_for(
 
     Raises:
         ValueError: unknown mode, training without an optimizer or loss, a criterion with
-            ``reduction='none'``, or an example batch the rules cannot read.
+            ``reduction='none'``, an example batch the rules cannot read, or a model sharded with
+            ``fully_shard`` over several ranks (whose trials must run in lockstep:
+            :func:`batchpilot.fsdp.find_batch_size_fsdp`, or the engine's ``"auto"`` start).
         BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a ``first_guess``.
         NothingFitsError: as :func:`find_batch_size`.
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if _sharded_over_ranks(model):
+        raise ValueError(
+            "the model is sharded with fully_shard over several ranks: an OOM in one rank's trial would "
+            "leave the others waiting in a collective. Use batchpilot.fsdp.find_batch_size_fsdp (trials in "
+            "lockstep), or Engine(micro_batch_size='auto'), which does"
+        )
     if amp_dtype is not None:
         warnings.warn("find_batch_size_for(amp_dtype=) is deprecated; pass amp='bf16' / 'fp16'",
                       DeprecationWarning, stacklevel=2)
@@ -728,6 +736,18 @@ def find_batch_size_for(
         plan.seconds += seed.seconds
         plan.seeded_by = "plan" if seed.batch_size is not None else None
     return plan
+
+
+def _sharded_over_ranks(model: nn.Module) -> bool:
+    """A ``fully_shard`` (FSDP2) model in a process group of more than one rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _train_step(

@@ -24,6 +24,7 @@ from torch import nn
 
 from .distributed import DistributedCoordinator, _all_reduce_ints
 from .find import BatchPlan, find_batch_size
+from .memory import resolve_device
 from .oom import Attempt, attempt, free_memory
 from .ranks import is_distributed
 from .search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
@@ -64,9 +65,12 @@ class CollectiveOOMError(RuntimeError):
         step: the engine step (``None`` in the finder).
     """
 
-    def __init__(self, message: str, *, rank: int, micro_batch_size: int, step: int | None) -> None:
+    def __init__(self, message: str, rank: int = -1, micro_batch_size: int = 0, step: int | None = None) -> None:
         super().__init__(message)
         self.rank, self.micro_batch_size, self.step = rank, micro_batch_size, step
+
+    def __reduce__(self) -> tuple:  # pickles with its fields (multiprocessing, error files)
+        return type(self), (str(self), self.rank, self.micro_batch_size, self.step)
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +182,7 @@ class _Ledger:
     def begin(self) -> None:
         self.issued, self.skip, self.kind = 0, 0, None
 
-    def enter(self, kind: str) -> bool:
+    def enter(self) -> bool:
         """Count one collective; False when it is one the peers already ran with this rank."""
         self.issued += 1
         self.kind = None
@@ -195,7 +199,7 @@ class _LedgerAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> Any:
-        if not self.ledger.enter("all-gather"):
+        if not self.ledger.enter():
             output_tensor.zero_()  # a replay: the peers have this one; any finite values do
             return None
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
@@ -211,7 +215,7 @@ class _LedgerReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
-        if not self.ledger.enter("reduce-scatter"):
+        if not self.ledger.enter():
             output_tensor.zero_()
             return None
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
@@ -592,8 +596,6 @@ def find_batch_size_fsdp(
         def replay(_batch_size: int) -> None:
             for _ in range(steps):
                 step(smallest)
-    from .memory import resolve_device  # the finder's default device, as it resolves it
-
     lockstep = _Lockstep(coord, replay, resolve_device(options.get("device")))
     try:
         plan = find_batch_size(step, restore=items, lockstep=lockstep, **options)

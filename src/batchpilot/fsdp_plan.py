@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .fsdp import _param_groups, is_fsdp, shard_model
@@ -97,10 +98,6 @@ class FakeShards:
         handles.append(self.model.register_forward_hook(after_forward))
         return handles
 
-    def role_of_resize(self) -> str:
-        """What a storage grown in place is here: FSDP's unsharded parameters."""
-        return "unsharded_parameters"
-
 
 def _marking(base: type) -> type:
     class Marking(base):  # type: ignore[misc,valid-type]
@@ -117,12 +114,5 @@ def _marking(base: type) -> type:
     return Marking
 
 
-def _comm_bases() -> tuple[type, type]:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    return DefaultAllGather, DefaultReduceScatter
-
-
-_AG, _RS = _comm_bases()
-_MarkingAllGather = _marking(_AG)
-_MarkingReduceScatter = _marking(_RS)
+_MarkingAllGather = _marking(DefaultAllGather)
+_MarkingReduceScatter = _marking(DefaultReduceScatter)

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
+from batchpilot.find import find_batch_size_for
 from batchpilot.fsdp import CollectiveOOMError, FSDPCoordinator, find_batch_size_fsdp, shard_model
 from batchpilot.memory import emulate_capacity, track_peak
 from batchpilot.models import MLP
@@ -241,6 +242,11 @@ def run_find(out: Path) -> None:
     tight = {0: BIG, 1: (peaks[8] + peaks[16]) // 2}[rank]
     began = time.perf_counter()
     plan = find_batch_size_fsdp(step, capacity=tight, **common)
+    try:  # the generic helper would let each rank search alone: refused, with the way out
+        find_batch_size_for(model, (x, y), optimizer=opt, loss_fn=ce_loss, capacity=BIG)
+        result["generic"] = None
+    except ValueError as exc:
+        result["generic"] = str(exc)
     result["direct"] = {
         "truth": [(t.batch_size, t.outcome, t.peak_bytes) for t in truth.trials],
         "batch_size": plan.batch_size, "limited_by_rank": plan.limited_by_rank, "capacity": tight,
