@@ -76,6 +76,19 @@ def test_shard_blocks_finds_the_repeated_layers():
     assert not is_fsdp(mlp) and fsdp_roots(mlp) == []
 
 
+def test_collective_oom_error_is_never_retried_as_an_oom_and_pickles():
+    import pickle
+
+    from batchpilot.fsdp import CollectiveOOMError
+    from batchpilot.oom import is_oom
+
+    exc = CollectiveOOMError("rank 1 ran out of memory at micro-batch 8: CUDA out of memory. Tried to allocate 2 GiB",
+                             rank=1, micro_batch_size=8, step=3)
+    assert not is_oom(exc) and is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    back = pickle.loads(pickle.dumps(exc))
+    assert (str(back), back.rank, back.micro_batch_size, back.step) == (str(exc), 1, 8, 3)
+
+
 def test_shard_model_needs_a_process_group_or_a_mesh():
     with pytest.raises(RuntimeError, match="needs a process group"):
         shard_model(MLP(in_features=8, width=16, depth=2))

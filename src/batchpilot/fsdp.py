@@ -63,7 +63,11 @@ class CollectiveOOMError(RuntimeError):
         rank: the rank that ran out of memory.
         micro_batch_size: the micro-batch (or trial batch) it ran out at.
         step: the engine step (``None`` in the finder).
+        retryable: ``False``: :func:`batchpilot.oom.is_oom` says no although the message quotes an
+            OOM, so nothing retries a step whose process group is gone.
     """
+
+    retryable = False
 
     def __init__(self, message: str, rank: int = -1, micro_batch_size: int = 0, step: int | None = None) -> None:
         super().__init__(message)
