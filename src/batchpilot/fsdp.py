@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -49,8 +51,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: store key of the hang guard (the process group's own store, which outlives an aborted group)
+#: store keys of the hang guard (the process group's own store, which outlives an aborted group)
 _FAILURE_KEY = "batchpilot/fsdp/failure"
+_ACK_KEY = "batchpilot/fsdp/acks"
 
 
 class CollectiveOOMError(RuntimeError):
@@ -289,28 +292,41 @@ class FSDPCoordinator(DistributedCoordinator):
     every rank reaches the agreement, drops the gradients, shrinks and retries the same batch.
     If the replay itself runs out of memory (the unsharded parameters of one block do not fit),
     the rank records what happened in the process group's store, aborts the process group and
-    raises :class:`CollectiveOOMError`. Its peers' pending collectives fail when the transport
-    goes: at once on NCCL (the abort), when the failed process exits on gloo (whose sockets close
-    only then), at the latest at the process group's timeout; each peer then raises the same
-    error naming that rank and size.
+    raises :class:`CollectiveOOMError`. A watchdog thread on every other rank reads the record
+    within ``guard_poll`` seconds and logs the error naming that rank and size (the failing rank
+    waits up to ``guard_wait`` seconds for every peer to have done so before it raises, so that no
+    launcher stops a peer before it said why); each peer's pending collective then fails — at once
+    on NCCL (the abort), when the failed process exits on gloo (whose sockets close only then), at
+    the latest at the process group's timeout — and raises the same error.
 
     Args:
         group: the agreement's process group; ``None`` is the default group, which must span the
             ranks the model is sharded over.
+        guard_poll: seconds between the watchdog's looks at the store (one small request each);
+            0 turns the watchdog off (the peers then report only when their collective fails).
+        guard_wait: the most seconds a rank that cannot rejoin waits for its peers' reports.
 
     Attributes:
         replays: attempts this rank replayed after running out of memory itself.
 
     Raises:
-        ValueError: (at :meth:`bind`) the model is sharded over a mesh the coordinator does not
-            support or over another number of ranks.
+        ValueError: ``guard_poll`` or ``guard_wait`` negative; (at :meth:`bind`) the model is
+            sharded over a mesh the coordinator does not support or over another number of ranks.
     """
 
     defer_grad_sync: bool = field(default=False, init=False)
+    guard_poll: float = 1.0
+    guard_wait: float = 10.0
     replays: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("guard_poll", "guard_wait"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        self._watchdog: threading.Thread | None = None
+        self._stop = threading.Event()
         self._model: nn.Module | None = None
         self._roots: list[nn.Module] = []
         self._ledger = _Ledger()
@@ -341,6 +357,14 @@ class FSDPCoordinator(DistributedCoordinator):
         if is_distributed():
             # kept: the hang guard writes here after the process group is gone
             self._store = dist.distributed_c10d._get_default_store()
+            if self.world_size > 1 and self.guard_poll > 0 and self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, args=(self.rank,), daemon=True,
+                                                  name="batchpilot-fsdp-guard")
+                self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop the watchdog thread (it is a daemon: leaving it running is harmless)."""
+        self._stop.set()
 
     # -- the engine's hooks ---------------------------------------------------------------------
     def set_gradient_sync(self, sync: bool) -> None:
@@ -413,10 +437,14 @@ class FSDPCoordinator(DistributedCoordinator):
         if record is None:
             return None
         return CollectiveOOMError(
-            f"rank {record['rank']} ran out of memory at {record['at']}{record['message']}, and could not "
-            f"rejoin the collectives this rank {self.rank} was waiting in. {record['advice']}",
-            rank=int(record["rank"]), micro_batch_size=int(record["micro_batch_size"]), step=record.get("step"),
+            self._peer_message(record, self.rank), rank=int(record["rank"]),
+            micro_batch_size=int(record["micro_batch_size"]), step=record.get("step"),
         )
+
+    @staticmethod
+    def _peer_message(record: dict[str, Any], rank: int) -> str:
+        return (f"rank {record['rank']} ran out of memory at {record['at']}{record['message']}, and could not "
+                f"rejoin the collectives this rank {rank} was waiting in. {record['advice']}")
 
     def find_batch_size(self, step: Callable[..., Any], *, restore: Iterable[Any] = (),
                         replay: Callable[[int], Any] | None = None, **options: Any) -> BatchPlan:
@@ -453,12 +481,33 @@ class FSDPCoordinator(DistributedCoordinator):
                 f"sample per micro-batch ({replay_message}); its peers wait for it in a collective, so the "
                 f"process group was aborted. {advice}")
         logger.error("%s", text)
+        peers = self.world_size - 1
+        self._stop.set()  # this rank's own watchdog has nothing to report
         if self._store is not None:
             self._store.set(_FAILURE_KEY, json.dumps(record))  # first: the peers read it when they fail
         if is_distributed():
             # NCCL fails the peers' pending collectives now; gloo closes its sockets at this process's exit
             dist.distributed_c10d._abort_process_group()
+        if self._store is not None and peers > 0:
+            # each peer's watchdog logs the error and acknowledges; only then may this process exit
+            # (the launcher stops the peers as soon as it does)
+            deadline = time.monotonic() + self.guard_wait
+            while time.monotonic() < deadline and self._store.add(_ACK_KEY, 0) < peers:
+                time.sleep(0.02)
         raise CollectiveOOMError(text, rank=rank, micro_batch_size=micro, step=step)
+
+    def _watch(self, rank: int) -> None:
+        """The watchdog: log a peer's failure as soon as it is recorded, while this rank still waits."""
+        while not self._stop.wait(self.guard_poll):
+            record = self._failure_record()
+            if record is None or int(record["rank"]) == rank:
+                continue
+            logger.error("%s", self._peer_message(record, rank))
+            try:
+                self._store.add(_ACK_KEY, 1)
+            except Exception:  # the store's host is gone: nobody waits for the acknowledgement
+                pass
+            return
 
     def _failure_record(self) -> dict[str, Any] | None:
         try:

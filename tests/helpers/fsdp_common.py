@@ -7,6 +7,7 @@ optimizer, so a 2-rank sharded run and its single-process reference share their 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -269,6 +270,10 @@ GUARD_MICRO = 8
 
 def run_guard(out: Path) -> None:
     rank, world = bd.rank(), bd.world_size()
+    # what each rank says, as it says it: the launcher stops the others once one process exits
+    log = logging.FileHandler(out / f"guard_rank{rank}.log")
+    log.setLevel(logging.ERROR)
+    logging.getLogger("batchpilot.fsdp").addHandler(log)
     ag = InjectAllGather(Clock, set(), always_from=GUARD_FROM if rank == 1 else None)
     model, opt = sharded({"all_gather": ag})
     engine = Engine(model, opt, ce_loss, global_batch_size=GLOBAL, start=GUARD_MICRO,
