@@ -4,7 +4,9 @@ For each model (an MLP, a ResNet-50-sized bottleneck CNN and a GPT-2-small-sized
 transformer, all written here) it checks:
 
 1. planner: ``estimate_peak_memory`` against the measured ``max_memory_allocated`` and
-   ``max_memory_reserved`` of two real training steps, at three batch sizes (error %);
+   ``max_memory_reserved`` of two real training steps, at three batch sizes (error %); and the
+   FSDP2 plan (``sharding="fsdp2"``, one rank, on a fake process group) against the same steps
+   of the model under ``fully_shard`` on a real one-rank process group (NCCL on CUDA);
 2. finder: ``find_batch_size`` (predict, ``--target``) under an emulated capacity
    (``set_per_process_memory_fraction`` on CUDA) against the exhaustive truth, found by
    bisection over real two-step runs under the same cap;
@@ -37,6 +39,7 @@ what the tests run.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import math
@@ -60,6 +63,7 @@ from speed import geometric_sizes, interleaved_sweep  # noqa: E402
 from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
 from batchpilot.find import find_batch_size, find_batch_size_for  # noqa: E402
+from batchpilot.fsdp import shard_model  # noqa: E402
 from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
 from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track_peak  # noqa: E402
 from batchpilot.models import MLP  # noqa: E402
@@ -293,6 +297,50 @@ def check_planner(r: Runner, rows: list, doc: dict) -> None:
         if r.device.type == "cuda":
             rows.append((r.case.name, "plan reserved", f"b={b}", format_bytes(est.reserved_bytes),
                          format_bytes(reserved), f"{entry['error_reserved_pct']:+.1f}%"))
+
+
+def check_fsdp_planner(r: Runner, rows: list, doc: dict) -> None:
+    """The FSDP2 plan of one rank against a real ``fully_shard`` step on a one-rank process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plan_device = "cuda" if r.device.type == "cuda" else "cpu"
+    accounting, _ = cuda_accounting(r.device) if plan_device == "cuda" else (None, None)
+    b = r.case.plan_sizes[1]
+    # the fake process group first: the planner refuses to run next to a real one
+    est = estimate_peak_memory(r.model, r.case.make_batch(2, torch.device("cpu")), b,
+                               optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), loss_fn=r.engine_loss, steps=2,
+                               amp=r.amp, device=plan_device, accounting=accounting, world_size=1, sharding="fsdp2")
+    dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        r.release()
+        r.model.to("cpu")  # only the sharded copy on the device, as in the plan
+        free_memory(r.device)
+        model = shard_model(copy.deepcopy(r.model).to(r.device), mesh=init_device_mesh(r.device.type, (1,)))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        batch = r.case.make_batch(b, r.device)
+        if r.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(r.device)
+            for _ in range(2):
+                default_step(model, opt, batch, loss_fn=r.engine_loss, amp=r.amp)
+            r.sync()
+            measured = torch.cuda.max_memory_allocated(r.device)
+        else:
+            with track_peak("cpu", track=(model, opt, batch)) as m:
+                for _ in range(2):
+                    default_step(model, opt, batch, loss_fn=r.engine_loss, amp=r.amp)
+            measured = m.peak_bytes
+        del model, opt, batch
+    finally:
+        dist.destroy_process_group()
+        r.model.to(r.device)
+    r.release()
+    predicted = est.allocated_bytes
+    doc["fsdp_planner"] = {"batch_size": b, "predicted_allocated": predicted, "measured_allocated": measured,
+                           "error_allocated_pct": 100 * (predicted - measured) / measured}
+    rows.append((r.case.name, "plan fsdp", f"b={b}, 1 rank", format_bytes(predicted), format_bytes(measured),
+                 f"{doc['fsdp_planner']['error_allocated_pct']:+.1f}%"))
 
 
 def fits(r: Runner, b: int, capacity: int, snapshot: Any) -> bool:
@@ -652,6 +700,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # A check that fails leaves an error row and the next check still runs: one run on a lent
         # GPU must bring back everything that worked.
         guarded(rows, mdoc, name, "plan", lambda: check_planner(r, rows, mdoc))
+        guarded(rows, mdoc, name, "plan fsdp", lambda: check_fsdp_planner(r, rows, mdoc))
         found = guarded(rows, mdoc, name, "finder vs truth", lambda: check_finder(r, capacity, args.target, rows, mdoc))
         if found is not None:
             guarded(rows, mdoc, name, "samples/s", lambda: check_throughput(r, found, args.steps, rows, mdoc))

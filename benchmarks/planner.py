@@ -9,6 +9,9 @@ Two tables, one command:
    reserved): predictions only, to be checked by the GPU validation script.
 2. *Plans*: the planned batch for a named GPU and for a CPU capacity, the number of
    fake runs and the seconds the whole plan took.
+3. *Sharded plans*: one rank of 64 (FSDP2 over a fake process group) for an H100, for a GPT of
+   about 1B parameters built on the meta device (a GPT-2-small-sized one with ``--quick``): the
+   per-rank batch, its breakdown, the fake runs, wall and CPU seconds.
 
 The planner-seeded finder (``find_batch_size_for(plan_first=True)``) is compared with
 the finder alone in ``benchmarks/finder.py --plan-first``.
@@ -18,6 +21,7 @@ Times on a shared 2-core machine are noisy: compare them within one run.
     python benchmarks/planner.py                 # everything
     python benchmarks/planner.py --quick         # batches up to 4096
     python benchmarks/planner.py --json out.json
+    python benchmarks/planner.py --sharded-only  # table 3 alone (the ~1B model at world 64)
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ import torch
 
 from batchpilot.gpus import CudaAccounting
 from batchpilot.memory import format_bytes, track_peak
-from batchpilot.models import MODEL_NAMES, build_model, example_batch
+from batchpilot.models import MODEL_NAMES, TinyGPT, build_model, example_batch, lm_loss, padded_lm_batch
 from batchpilot.plan import default_step, estimate_peak_memory, plan_batch_size
 
 BATCHES = (1, 16, 256, 4096, 65536)
@@ -90,7 +95,35 @@ def plans_table() -> list[dict[str, Any]]:
     return rows
 
 
-_BYTE_COLUMNS = ("estimate_bytes", "tracker_bytes", "cuda_allocated", "cuda_reserved", "required_at_b", "limit")
+#: (name, vocab, dim, heads, layers, sequence): ~1.0B parameters, and a GPT-2-small-sized one for --quick
+SHARDED_MODELS = {"gpt-1b": (32000, 2048, 16, 18, 1024), "gpt-124m": (50257, 768, 12, 12, 1024)}
+
+
+def sharded_table(names: list[str], world: int = 64) -> list[dict[str, Any]]:
+    """One rank of ``world`` sharding with FSDP2, planned for an H100 (bf16 autocast, AdamW)."""
+    rows = []
+    for name in names:
+        vocab, dim, heads, layers, seq = SHARDED_MODELS[name]
+        with torch.device("meta"):  # no real weights: a 1B model would take 4 GB to build
+            model = TinyGPT(vocab=vocab, dim=dim, heads=heads, layers=layers, max_len=seq)
+        sample = padded_lm_batch([seq, seq], vocab=vocab)
+        wall, cpu = time.perf_counter(), time.process_time()
+        plan = plan_batch_size(model, sample, capacity="H100-80GB", optimizer=lambda ps: torch.optim.AdamW(ps),
+                               loss_fn=lm_loss, amp="bf16", world_size=world, sharding="fsdp2")
+        est = plan.estimate
+        rows.append({
+            "model": name, "params": sum(p.numel() for p in model.parameters()), "world": world,
+            "batch": plan.batch_size, "fake_runs": len(plan.evaluations),
+            "seconds": round(time.perf_counter() - wall, 1), "cpu_seconds": round(time.process_time() - cpu, 1),
+            "required_at_b": est.required_bytes, "shards": est.parameters + est.gradients + est.optimizer_state,
+            "unsharded": est.unsharded_parameters, "communication": est.communication,
+            "activations": est.activations, "limit": plan.limit,
+        })
+    return rows
+
+
+_BYTE_COLUMNS = ("estimate_bytes", "tracker_bytes", "cuda_allocated", "cuda_reserved", "required_at_b", "limit",
+                 "shards", "unsharded", "communication", "activations")
 
 
 def _fmt(column: str, v: Any) -> str:
@@ -113,23 +146,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="batches up to 4096")
     p.add_argument("--json", type=Path, help="also write the tables as JSON")
+    p.add_argument("--sharded-only", action="store_true", help="only the sharded plans (table 3)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # one thread: comparable times on a shared machine
 
     batches = BATCHES[:-1] if args.quick else BATCHES
-    est = estimates_table(batches)
-    print_table("Fake estimates (Adam, 2 steps) vs the CPU tracker; CUDA columns: H100 allocator model",
-                est, ["model", "batch", "fake_seconds", "estimate_bytes", "tracker_bytes", "difference",
-                      "cuda_allocated", "cuda_reserved"])
-    plans = plans_table()
-    print_table("Plans (target 0.8)", plans,
-                ["model", "capacity", "device", "batch", "fake_runs", "seconds", "required_at_b", "limit"])
+    est, plans = [], []
+    if not args.sharded_only:
+        est = estimates_table(batches)
+        print_table("Fake estimates (Adam, 2 steps) vs the CPU tracker; CUDA columns: H100 allocator model",
+                    est, ["model", "batch", "fake_seconds", "estimate_bytes", "tracker_bytes", "difference",
+                          "cuda_allocated", "cuda_reserved"])
+        plans = plans_table()
+        print_table("Plans (target 0.8)", plans,
+                    ["model", "capacity", "device", "batch", "fake_runs", "seconds", "required_at_b", "limit"])
+    sharded = sharded_table(["gpt-124m"] if args.quick else ["gpt-1b"])
+    print_table("Sharded plans: one rank of 64, FSDP2 on a fake process group, H100-80GB, bf16, AdamW, "
+                "sequence 1024", sharded, ["model", "params", "world", "batch", "fake_runs", "seconds", "cpu_seconds",
+                                           "required_at_b", "shards", "unsharded", "communication", "activations"])
     bad = [r for r in est if r["difference"] not in (None, 0)]
     if bad:
         print(f"\nMISMATCH: {len(bad)} estimates differ from the tracker", file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps({"estimates": est, "plans": plans}, indent=2))
+        args.json.write_text(json.dumps({"estimates": est, "plans": plans, "sharded": sharded}, indent=2))
     return 1 if bad else 0
 
 

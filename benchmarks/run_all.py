@@ -38,6 +38,7 @@ KNOWN = (
     Script("planner", quick=("--quick",)),
     Script("overhead", quick=("--rounds", "10", "--warmup", "2")),
     Script("ddp_overhead", quick=("--quick",), json_flag=False),
+    Script("fsdp_overhead", quick=("--quick",), json_flag=False),
     Script("peers", quick=("--quick",)),
     Script("speed", quick=("--quick",)),
     Script("integrations", quick=("--quick",)),

@@ -159,13 +159,16 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         checks.setdefault(row["model"], []).append(row["check"])
     assert set(checks) == {"mlp", "resnet50", "gpt2"}
     for name, seen in checks.items():
-        assert seen == ["plan allocated"] * 3 + ["finder vs truth", "samples/s", "OOM recovery", "noise cost",
-                                                 "throughput choice", "balanced split"], name
+        assert seen == ["plan allocated"] * 3 + ["plan fsdp", "finder vs truth", "samples/s", "OOM recovery",
+                                                 "noise cost", "throughput choice", "balanced split"], name
         m = doc["models"][name]
         assert "errors" not in m, m.get("errors")
         # on CPU the planner is byte-exact against the storage tracker
         for s in m["planner"]["sizes"]:
             assert s["predicted_allocated"] == s["measured_allocated"], (name, s)
+        # one rank under FSDP2 takes its no-communication path: exact on two of the three models,
+        # 4.1% over on the 9-layer MLP (benchmarks/README.md); world 2 is exact (tests/test_fsdp.py)
+        assert 0 <= m["fsdp_planner"]["error_allocated_pct"] < 5, (name, m["fsdp_planner"])
         f = m["finder"]
         assert 0 < f["batch_size"] <= f["true_max"], (name, f)  # target 1.0: never above the truth
         assert f["found_over_true"] >= 0.9, (name, f)
@@ -365,8 +368,8 @@ def test_peers_container_says_why_it_cannot_run(tmp_path):
 def test_run_all_lists_the_scripts_in_order():
     proc = run_script("run_all.py", "--list", "--quick", timeout=120)
     names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]
-    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "peers", "speed", "integrations",
-                           "gpu_validate", "compiled", "noise")
+    present = [n for n in ("finder", "planner", "overhead", "ddp_overhead", "fsdp_overhead", "peers", "speed",
+                           "integrations", "gpu_validate", "compiled", "noise")
                if (BENCH / f"{n}.py").exists()]
     assert names[: len(present)] == present
     assert "run_all" not in names and not any(n.startswith("_") for n in names)

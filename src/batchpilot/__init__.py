@@ -30,6 +30,9 @@ _LAZY = {
     "DistributedCoordinator": "distributed",
     "find_batch_size_distributed": "distributed",
     "init_distributed": "distributed",
+    "FSDPCoordinator": "fsdp",
+    "CollectiveOOMError": "fsdp",
+    "find_batch_size_fsdp": "fsdp",
     "TrainConfig": "app.trainjob",
     "run_training": "app.trainjob",
 }

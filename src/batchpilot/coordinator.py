@@ -43,6 +43,14 @@ class Coordinator(Protocol):
     them alone when the sync is not deferred. A coordinator of several ranks without them gets
     no noise measurement.
 
+    Optional hooks, used when present (:class:`batchpilot.fsdp.FSDPCoordinator` has them all):
+    ``bind(model)`` once at construction; ``agree_batch(samples)`` at the start of every step;
+    ``set_gradient_sync(flag)`` before each micro-batch (True for the last);
+    ``attempt(run, replay, *, device, on_oom, micro_batch_size, step)`` instead of
+    :func:`batchpilot.oom.attempt` for each attempt; ``explain(exc)`` when a step fails (an
+    error to raise instead, or ``None``); ``find_batch_size(step, *, restore, replay, **options)``
+    for the ``"auto"`` start.
+
     Attributes:
         world_size: data-parallel ranks; gradients arrive averaged over them.
         defer_grad_sync: ``False``: under DDP the last micro-batch's backward all-reduces the

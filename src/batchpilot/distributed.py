@@ -380,6 +380,14 @@ class DistributedCoordinator:
 # ---------------------------------------------------------------------------
 # The finder on every rank
 
+
+def _is_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
 # What a rank contributes to the agreement when its local search did not produce a size.
 _NOTHING_FITS = 0
 _FAILED = -1
@@ -434,10 +442,17 @@ def find_batch_size_distributed(
     Raises:
         NothingFitsError: Not even the smallest batch fits on some rank (on every rank; the
             message names the rank).
+        ValueError: A model in ``restore`` is sharded with ``fully_shard`` (see
+            :func:`batchpilot.fsdp.find_batch_size_fsdp`).
         RuntimeError: The search failed on another rank (this rank re-raises its own error).
         BatchSizeError: Invalid options, as :func:`~batchpilot.find.find_batch_size`.
     """
     items = [o for o in restore if o is not None]
+    if any(isinstance(o, nn.Module) and _is_sharded(o) for o in items):
+        raise ValueError(
+            "the model is sharded with fully_shard (FSDP2): its forward runs collectives, so ranks "
+            "cannot search alone; use batchpilot.fsdp.find_batch_size_fsdp, which runs the trials in lockstep"
+        )
     wrappers = [o for o in items if isinstance(o, nn.parallel.DistributedDataParallel)]
     targets = [unwrap_model(o) if isinstance(o, nn.Module) else o for o in items]
     plan: BatchPlan | None = None

@@ -275,7 +275,8 @@ class Engine:
         schedule: BatchSchedule | str | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
-        self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator()
+        self._fsdp = _is_fsdp(model)
+        self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator(self._fsdp)
         self.layout = BatchLayout.of(shared, split_fn)
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
@@ -322,6 +323,8 @@ class Engine:
         self.scheduler = scheduler
         self.device = resolve_device(device if device is not None else _model_device(model))
         self.amp_dtype = _amp_dtype(amp)
+        if self._fsdp:
+            self._bind_fsdp(model)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
         self.steps = 0
         self.micro_batch_size: int | None = None if not self.fixed else int(micro_batch_size)
@@ -404,6 +407,9 @@ class Engine:
             raise ValueError(self._too_large(n))
         if self.schedule is not None:
             self._check_loader_follows(n)
+        agree_batch = getattr(self.coordinator, "agree_batch", None)
+        if agree_batch is not None:
+            agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
         if self.micro_batch_size is None:
             self._initialise(split)
         measured = True  # every device has a real figure now (see StepResult.memory)
@@ -429,7 +435,7 @@ class Engine:
                     probe.reset()
                     start_bytes = probe.current()
                 # attempt() frees memory outside its except block; the agreement runs on every rank
-                outcome = attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
+                outcome = self._attempt(split, micro)
                 if fixed:
                     oom = self.coordinator.agree_oom(outcome.oom)
                 else:
@@ -453,8 +459,12 @@ class Engine:
                 attempt_peak = probe.peak()
                 probe.reset()
             grad_norm, skip_reason = self._apply(acc)
-        except BaseException:
+        except BaseException as exc:
             self._drop_grads()
+            explain = getattr(self.coordinator, "explain", None)
+            explained = explain(exc) if explain is not None else None
+            if explained is not None:
+                raise explained from exc  # a peer's failure, told by the coordinator
             raise
         self.steps += 1
         self._apply_peak = probe.peak()
@@ -816,10 +826,12 @@ class Engine:
 
         inner = unwrap_model(self.model)
 
-        def trial(b: int) -> None:
+        def trial(b: int, rounds: int = 1) -> None:
             # the module inside a DDP wrapper: no hook, no all-reduce, so ranks may run different
             # trials (a trial through the wrapper would synchronise with whatever the others run)
-            self._accumulate(BatchSplitter(split.slice(0, b), self.layout), b, use_scaler=False, model=inner)
+            sub = BatchSplitter(split.slice(0, b), self.layout)
+            for r in range(rounds):
+                self._accumulate(sub, b, use_scaler=False, model=inner, sync=r == rounds - 1)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -830,7 +842,19 @@ class Engine:
         if self.config.capacity is not None:
             options.setdefault("capacity", self.config.capacity)
         options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
-        if self._world > 1:
+        fsdp_finder = getattr(self.coordinator, "find_batch_size", None)
+        if fsdp_finder is not None:
+            # FSDP: trials in lockstep on every rank (their forward runs collectives). A micro-batch
+            # below the per-rank batch accumulates, and FSDP keeps the unsharded gradients between
+            # micro-batches: such a trial runs two micro-batches so that its peak holds them
+            def rounds(b: int) -> int:
+                return 2 if b < self._per_rank else 1
+
+            plan = fsdp_finder(lambda b: trial(b, rounds(b)), restore=(self.model, self.optimizer),
+                               replay=lambda b: trial(1, rounds(b)), **options)
+            if hasattr(self.coordinator, "limited_by_rank"):
+                self.coordinator.limited_by_rank = plan.limited_by_rank
+        elif self._world > 1:
             # every rank searches alone, then one all-reduce MIN; a nothing-fits on one rank is
             # raised on all of them. The wrapper goes in `restore`: it is unwrapped for the
             # snapshot, and a loss_fn that calls it instead of its argument fails clearly.
@@ -857,11 +881,13 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def _accumulate(
-        self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, model: nn.Module | None = None
+        self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, model: nn.Module | None = None,
+        sync: bool = True,
     ) -> _Accumulated:
         """Forward and backward over ``split`` in micro-batches of ``micro``; no optimizer step.
 
         ``model`` defaults to the engine's; the finder passes the module inside a DDP wrapper.
+        ``sync=False`` keeps FSDP from reduce-scattering after the last micro-batch too.
         """
         meter = self.noise_meter if model is None else None  # the finder's trials measure nothing
         if model is None:
@@ -887,8 +913,11 @@ class Engine:
             start += size
             if self._compiled:
                 mark_batch_dynamic(mb, self.layout)
-            # DDP all-reduces in the backward of the last micro-batch only, unless deferred.
+            # DDP all-reduces in the backward of the last micro-batch only, unless deferred;
+            # FSDP reduce-scatters there (the coordinator switches it)
             quiet = ddp and (i < last or self.coordinator.defer_grad_sync)
+            if self._fsdp:
+                self.coordinator.set_gradient_sync(sync and i == last)
             with model.no_sync() if quiet else contextlib.nullcontext():
                 with self._autocast():
                     out = self.loss_fn(model, mb)
@@ -982,6 +1011,31 @@ class Engine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, "inf" if skipped else None
+
+    def _attempt(self, split: BatchSplitter, micro: int) -> Any:
+        """One attempt at the batch; the coordinator runs it when it must (FSDP's replay after an OOM)."""
+        run = getattr(self.coordinator, "attempt", None)
+        if run is None:
+            return attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
+        count = accum_steps(split.size, micro)  # the replay runs as many micro-batches, of one sample
+        return run(lambda: self._accumulate(split, micro),
+                   lambda: self._accumulate(BatchSplitter(split.slice(0, count), self.layout), 1),
+                   device=self.device, on_oom=self._drop_grads, micro_batch_size=micro, step=self.steps + 1)
+
+    def _bind_fsdp(self, model: nn.Module) -> None:
+        """Attach the coordinator to a ``fully_shard`` model, or refuse a coordinator that cannot run it."""
+        bind = getattr(self.coordinator, "bind", None)
+        if bind is None or not hasattr(self.coordinator, "set_gradient_sync"):
+            raise ValueError(
+                f"the model has fully_shard (FSDP2) modules, which {type(self.coordinator).__name__} cannot keep "
+                "in step; leave coordinator= out, or pass batchpilot.fsdp.FSDPCoordinator()"
+            )
+        if self.amp_dtype is torch.float16:
+            raise ValueError(
+                "amp='fp16' with fully_shard: GradScaler would decide on inf gradients per shard and the "
+                "ranks would diverge; use amp='bf16' (or FSDP2's MixedPrecisionPolicy)"
+            )
+        bind(model)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device.type, self.amp_dtype)
@@ -1196,12 +1250,17 @@ def _alloc_retries(device: torch.device) -> int | None:
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
-def _default_coordinator() -> Coordinator:
+def _default_coordinator(fsdp: bool = False) -> Coordinator:
     """The distributed coordinator when a process group of several ranks is running, else the local one.
 
     Without it each rank of a ``torchrun`` job would train the whole global batch and average
-    nothing: the silent world of one.
+    nothing: the silent world of one. A ``fully_shard`` model gets the FSDP coordinator on any
+    number of ranks (it also resets FSDP's state after an OOM).
     """
+    if fsdp:
+        from .fsdp import FSDPCoordinator  # the layer above the engine, as distributed
+
+        return FSDPCoordinator()
     if _dist_world_size() > 1:
         # imported here: distributed is the layer above the engine
         from .distributed import DistributedCoordinator
@@ -1209,6 +1268,15 @@ def _default_coordinator() -> Coordinator:
         logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())
         return DistributedCoordinator()
     return LocalCoordinator()
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` has ``fully_shard`` modules (FSDP2), without importing batchpilot.fsdp."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _dist_world_size() -> int:

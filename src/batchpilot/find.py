@@ -296,6 +296,7 @@ def find_batch_size(
     objective: Literal["memory", "throughput"] = "memory",
     speed_tolerance: float = SPEED_TOLERANCE,
     timed_steps: int | None = None,
+    lockstep: Any = None,
 ) -> BatchPlan:
     """Find the largest batch size whose step peaks at or under ``target × capacity`` (or the fastest one).
 
@@ -354,6 +355,8 @@ def find_batch_size(
         speed_tolerance: the share of the best samples/s ``"throughput"`` may give up, in [0, 0.5).
         timed_steps: steps timed per fitting trial after the memory steps' warm-up; ``None``:
             1 for ``"memory"`` (0 times nothing), 3 for ``"throughput"``.
+        lockstep: ranks that must run the same trials (FSDP2): the agreement hooks of
+            :func:`batchpilot.fsdp.find_batch_size_fsdp`, which passes them; leave it ``None``.
 
     Returns:
         A :class:`BatchPlan`.
@@ -371,6 +374,10 @@ def find_batch_size(
         max_trials=max_trials, progress=progress, tolerance=tolerance, snapshot=snapshot, objective=objective,
         speed_tolerance=speed_tolerance, timed_steps=timed_steps,
     )
+    if lockstep is not None and cfg.objective == "throughput":
+        # its extra timings run on each rank alone: sharded ranks would wait in each other's collectives
+        raise BatchSizeError("objective='throughput' is not available for ranks in lockstep (FSDP2); "
+                             "use objective='memory' and let the engine split the batch by speed")
     dev = resolve_device(device)
     targets = [o for o in restore if o is not None]
     emulated = cfg.capacity is not None and dev.type in _EMULATED
@@ -404,13 +411,15 @@ def find_batch_size(
                 limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
                 min_batch_size=floor, max_batch_size=cfg.max_batch_size,
             )
+            if lockstep is not None:
+                space = lockstep.agree_space(space)  # one search for every rank: the smallest device
             logger.info(
                 "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
                 dev, policy.name, gauge.kind, format_bytes(space.limit_bytes), 100 * cfg.target,
                 format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.host else "",
             )
             bar = _progress_bar(cfg.progress, policy.name)
-            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap,
+            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap, lockstep,
                                     breakdown=not run_compiled, timed_steps=cfg.timed_steps)
 
             def report(t: Trial) -> None:
@@ -573,21 +582,30 @@ class _TrialRunner:
     """Runs one trial: the steps under the gauge (and a tracker for the breakdown), OOM recovery, the restore."""
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
-                 steps: int, targets: list[Any], snapshot: StateSnapshot, breakdown: bool = True, *,
-                 timed_steps: int = 0) -> None:
+                 steps: int, targets: list[Any], snapshot: StateSnapshot, lockstep: Any = None, *,
+                 breakdown: bool = True, timed_steps: int = 0) -> None:
         self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
         # no breakdown tracker for a compiled step: under it the step would run eagerly
         self.breakdown = breakdown
-        self.targets, self.snapshot = targets, snapshot
+        self.targets, self.snapshot, self.lockstep = targets, snapshot, lockstep
         self.timed_steps = timed_steps
         self.space: SearchSpace | None = None
         self.done: list[Trial] = []
         self._untimed_warned = False
 
     def __call__(self, batch_size: int) -> Trial:
+        trial = self._run(batch_size)
+        if self.lockstep is not None:
+            # the same trial on every rank, then one view of it everywhere: the same next size
+            trial = self.lockstep.agree_trial(trial, self.space)
+        self.done.append(trial)
+        return trial
+
+    def _run(self, batch_size: int) -> Trial:
         refused = self._refuse(batch_size)
+        if self.lockstep is not None and self.lockstep.agree_refusal(refused is not None) and refused is None:
+            refused = Trial(batch_size=batch_size, outcome=REFUSED, peak_bytes=0, start_bytes=None)
         if refused is not None:
-            self.done.append(refused)
             return refused
         holder: list[Any] = []
         real = self.gauge.host
@@ -624,21 +642,25 @@ class _TrialRunner:
         base = None if self.gauge.kind == "tensors" else int(self.gauge.current())
         peaks: list[int] = []
 
-        def put_back() -> None:
+        def put_back(oom: bool = True) -> None:
             # the peak first: the restore allocates too. On a real CPU the trial's freed heap goes
             # back to the OS before the restore maps its copies (under RLIMIT_AS that mapping
             # counts, and right after a trial at the boundary there is no room for it otherwise)
             self.gauge.synchronize()
             peaks.append(int(self.gauge.peak()))
             self.gauge.close()
+            if oom and self.lockstep is not None:
+                self.lockstep.recover(batch_size)  # the collectives the other ranks still wait in
             if real:
                 free_memory(self.device, generation=1)
             self.snapshot.restore()
 
+        if self.lockstep is not None:
+            self.lockstep.begin()
         # the restore runs after the OOM's traceback is gone, before memory is released
         outcome = attempt(run, device=self.device, on_oom=put_back)
         if not outcome.oom:
-            put_back()
+            put_back(oom=False)
         peak = peaks[0]
         seconds = time.perf_counter() - began
         m = holder[0] if holder else None
@@ -659,7 +681,6 @@ class _TrialRunner:
                       seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
                       bound_bytes=bound, step_seconds=min(times) if kind == FIT and times else None,
                       alloc_retries=None if retries is None or after is None else after - retries)
-        self.done.append(trial)
         return trial
 
     def retime(self, batch_size: int) -> float | None:
@@ -690,7 +711,7 @@ class _TrialRunner:
                     read: Callable[[], float]) -> None:
         """Time steps until ``timed_steps`` are, if the memory steps fitted (an over-target size is never chosen)."""
         missing = self.timed_steps - len(times)
-        if missing <= 0:
+        if missing <= 0 or self.lockstep is not None:  # ranks in lockstep: only steps every rank runs
             return
         self.gauge.synchronize()
         if self.gauge.peak() > self.space.limit_bytes:
@@ -842,12 +863,20 @@ def find_batch_size_for(
 
     Raises:
         ValueError: unknown mode, training without an optimizer or loss, a criterion with
-            ``reduction='none'``, or an example batch the rules cannot read.
+            ``reduction='none'``, an example batch the rules cannot read, or a model sharded with
+            ``fully_shard`` over several ranks (whose trials must run in lockstep:
+            :func:`batchpilot.fsdp.find_batch_size_fsdp`, or the engine's ``"auto"`` start).
         BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a ``first_guess``.
         NothingFitsError: as :func:`find_batch_size`.
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if _sharded_over_ranks(model):
+        raise ValueError(
+            "the model is sharded with fully_shard over several ranks: an OOM in one rank's trial would "
+            "leave the others waiting in a collective. Use batchpilot.fsdp.find_batch_size_fsdp (trials in "
+            "lockstep), or Engine(micro_batch_size='auto'), which does"
+        )
     options["objective"] = check_objective(objective if objective is not None else _DEFAULT_OBJECTIVE[mode],
                                            error=BatchSizeError)
     if amp_dtype is not None:
@@ -916,6 +945,18 @@ def find_batch_size_for(
         plan.seconds += seed.seconds
         plan.seeded_by = "plan" if seed.batch_size is not None else None
     return plan
+
+
+def _sharded_over_ranks(model: nn.Module) -> bool:
+    """A ``fully_shard`` (FSDP2) model in a process group of more than one rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _train_step(

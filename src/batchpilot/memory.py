@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_flatten
 
 from .compiled import eager_while_tracked
@@ -40,6 +44,9 @@ __all__ = [
     "track_peak",
     "emulate_capacity",
     "view_extent",
+    "tensor_storages",
+    "wraps_subclass",
+    "watch_storage_resizes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,9 +217,7 @@ class StorageTracker(TorchDispatchMode):
         storages = []
         for obj in objs:
             for t in _tensors_of(obj):
-                st = self._storage(t)
-                if st is not None:
-                    storages.append(st)
+                storages += [st for st in tensor_storages(t) if _on(st, t, self.device)]
         self._add_storages(storages)
         return self
 
@@ -251,6 +256,10 @@ class StorageTracker(TorchDispatchMode):
     # -- interception -----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if wraps_subclass(types):
+            # a DTensor (FSDP2's sharded parameters) runs its operator as operators on its local
+            # tensors, which come back here: those hold the storages
+            return NotImplemented
         if getattr(self._pause, "depth", 0):
             return func(*args, **kwargs)
         # tensors from outside the step (unseen, or host data seen through a view so far)
@@ -327,6 +336,34 @@ class StorageTracker(TorchDispatchMode):
                         self._partial.discard(key)
             self._bump_peak()
 
+    # -- storages resized in place (FSDP2 frees and re-allocates unsharded parameters so) -----
+    def _pre_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        if getattr(self._pause, "depth", 0) or st.device != self.device:
+            return
+        grow = nbytes - self._sizes.get(id(st), 0)
+        if self.capacity is not None and grow > 0 and self.live + grow > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"batchpilot emulated capacity exceeded on {self.device}: tried to allocate "
+                f"{format_bytes(grow)} ({grow} bytes) in UntypedStorage.resize_ with {self.live} bytes live; "
+                f"capacity {format_bytes(self.capacity)} ({self.capacity} bytes)"
+            )
+
+    def _post_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        if st.device != self.device:
+            return
+        key = id(st)
+        with self._lock:
+            old = self._sizes.get(key)
+            if old is None:
+                if getattr(self._pause, "depth", 0) or nbytes == 0:
+                    return
+                self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
+                old = 0
+            self._sizes[key] = nbytes
+            self._partial.discard(key)
+            self.live += nbytes - old
+            self._bump_peak()
+
     def __enter__(self) -> StorageTracker:
         # dynamo skips frames under a dispatch mode and never compiles them again: compiled
         # models run eagerly while tracked instead (batchpilot.compiled)
@@ -334,10 +371,14 @@ class StorageTracker(TorchDispatchMode):
         eager.__enter__()
         self._eager.append(eager)
         _ACTIVE.append(self)
+        _RESIZE_WATCHERS.append(self)
+        _patch_resize()
         try:
             return super().__enter__()
         except BaseException:
             _ACTIVE.remove(self)
+            _RESIZE_WATCHERS.remove(self)
+            _patch_resize()
             self._eager.pop().__exit__(None, None, None)
             raise
 
@@ -346,10 +387,80 @@ class StorageTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _ACTIVE.remove(self)
+            _RESIZE_WATCHERS.remove(self)
+            _patch_resize()
             self._eager.pop().__exit__(None, None, None)
 
 
 _ACTIVE: list[StorageTracker] = []
+
+
+# ---------------------------------------------------------------------------
+# Tensor subclasses and in-place storage resizes: what a dispatch mode does not see by itself
+
+
+def wraps_subclass(types: Iterable[type]) -> bool:
+    """Whether an operator's ``types`` include a wrapper subclass (``DTensor``) that desugars it.
+
+    A dispatch mode runs before tensor subclasses; returning ``NotImplemented`` for such an
+    operator lets the subclass run it as operators on its inner tensors, which the mode sees.
+    """
+    return any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types)
+
+
+def tensor_storages(t: Any) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s bytes: its own, or its inner tensors' for a ``DTensor``."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [st for a in attrs for st in tensor_storages(getattr(t, a))]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # sparse / nested tensors own no plain storage
+        return []
+
+
+def _on(st: torch.UntypedStorage, t: torch.Tensor, device: torch.device) -> bool:
+    return st.device == device if hasattr(st, "device") else t.device == device
+
+
+#: objects with ``_pre_resize(storage, nbytes)`` (may raise) and ``_post_resize(storage, nbytes)``
+_RESIZE_WATCHERS: list[Any] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+_resize_lock = threading.Lock()
+
+
+def _watched_resize(st: torch.UntypedStorage, size: int) -> Any:
+    watchers = list(_RESIZE_WATCHERS)
+    for w in watchers:
+        w._pre_resize(st, int(size))
+    out = _ORIGINAL_RESIZE(st, size)
+    for w in watchers:
+        w._post_resize(st, int(size))
+    return out
+
+
+def _patch_resize() -> None:
+    """``UntypedStorage.resize_`` is not a dispatched operator: watch it while anyone listens."""
+    with _resize_lock:
+        torch.UntypedStorage.resize_ = _watched_resize if _RESIZE_WATCHERS else _ORIGINAL_RESIZE
+
+
+@contextlib.contextmanager
+def watch_storage_resizes(watcher: Any) -> Iterator[None]:
+    """Call ``watcher._pre_resize(storage, nbytes)`` / ``_post_resize`` around every storage resize.
+
+    FSDP2 allocates and frees its unsharded parameters with ``UntypedStorage.resize_``, which no
+    dispatch mode sees; :class:`StorageTracker` and the planner's counter listen here.
+    """
+    _RESIZE_WATCHERS.append(watcher)
+    _patch_resize()
+    try:
+        yield
+    finally:
+        _RESIZE_WATCHERS.remove(watcher)
+        _patch_resize()
 
 
 def view_extent(t: torch.Tensor) -> int:

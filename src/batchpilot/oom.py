@@ -66,9 +66,13 @@ def is_oom(exc: BaseException) -> bool:
     Recognises ``torch.OutOfMemoryError`` (CUDA, HIP, XPU and batchpilot's
     emulated capacity), MPS's and the CPU allocator's ``RuntimeError`` messages,
     and cuDNN's out-of-workspace ``CUDNN_STATUS_NOT_SUPPORTED``. Errors that leave
-    the device unusable (illegal memory access) are never OOM.
+    the device unusable (illegal memory access), and errors marked ``retryable = False``
+    (an aborted FSDP step that quotes its OOM), are never OOM.
     """
     if not isinstance(exc, BaseException) or is_fatal_device_error(exc):
+        return False
+    if getattr(exc, "retryable", True) is False:
+        # e.g. batchpilot.fsdp.CollectiveOOMError: it quotes an OOM, but its process group is gone
         return False
     # CUDA, HIP, XPU and the emulated capacity all raise this type
     if isinstance(exc, torch.OutOfMemoryError):

@@ -36,7 +36,8 @@ from .batch import BatchLayout, BatchSplitter
 from .compiled import eager_while_tracked
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .loss import as_loss_fn, forward_only, parse_loss
-from .memory import format_bytes, parse_bytes
+from ._checks import positive_int
+from .memory import format_bytes, parse_bytes, tensor_storages, watch_storage_resizes, wraps_subclass
 
 __all__ = [
     "PlanningError",
@@ -76,8 +77,13 @@ class MemoryEstimate:
     """Peak memory of a step at one batch size, with its make-up at the peak.
 
     ``parameters + buffers + inputs + gradients + optimizer_state +
-    activations == peak_bytes`` (exact tensor bytes, as the CPU tracker
-    counts them). On CUDA, ``allocated_bytes`` / ``reserved_bytes`` predict
+    activations + unsharded_parameters + communication == peak_bytes`` (exact
+    tensor bytes, as the CPU tracker counts them). Sharded (``sharding="fsdp2"``
+    over ``world_size`` ranks), the figures are one rank's: ``parameters``,
+    ``gradients`` and ``optimizer_state`` its shards (and the unsharded
+    gradients of a backward), ``unsharded_parameters`` the all-gathered
+    parameters alive at the peak, ``communication`` the all-gather and
+    reduce-scatter buffers; both are 0 unsharded. On CUDA, ``allocated_bytes`` / ``reserved_bytes`` predict
     ``max_memory_allocated`` / ``max_memory_reserved`` (allocator rounding,
     cached segments and cuBLAS workspaces included) and ``context_bytes`` is
     the CUDA context outside the allocator; on CPU both equal ``peak_bytes``
@@ -97,6 +103,10 @@ class MemoryEstimate:
     reserved_bytes: int
     context_bytes: int
     seconds: float
+    unsharded_parameters: int = 0
+    communication: int = 0
+    world_size: int = 1
+    sharding: str | None = None
 
     @property
     def required_bytes(self) -> int:
@@ -132,6 +142,8 @@ class PlanResult:
     next_estimate: MemoryEstimate | None
     evaluations: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    world_size: int = 1
+    sharding: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -192,7 +204,8 @@ def _device_type(batch: Any) -> str:
 # Counting fake storages
 
 
-_ROLES = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations")
+_ROLES = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
+          "unsharded_parameters", "communication")
 
 
 @dataclass(eq=False)
@@ -260,6 +273,7 @@ class _FakeStorageCounter(TorchDispatchMode):
         self._records: dict[int, _Record] = {}
         self._log: list[tuple[_Record, int]] = []  # (record, change in bytes)
         self._peak_at = 0  # log entries up to the peak
+        self.resize_role: str | None = None  # what a storage grown in place is (FSDP: unsharded parameters)
 
     def _change(self, rec: _Record, delta: int) -> None:
         self.live += delta
@@ -296,17 +310,27 @@ class _FakeStorageCounter(TorchDispatchMode):
     def track(self, tensors: Iterable[torch.Tensor], role: str) -> None:
         """Count tensors that exist before the step, as ``role``."""
         for t in tensors:
-            st = _storage_of(t)
-            if st is not None:
+            for st in tensor_storages(t):
                 self._add(st, role)
-                self.mark(t, role)
+            self.mark(t, role)
 
     def mark(self, tensor: torch.Tensor | None, role: str) -> None:
-        """Record that ``tensor``'s storage is a ``role`` (the first role given wins)."""
-        st = _storage_of(tensor)
-        rec = self._records.get(id(st)) if st is not None else None
-        if rec is not None and rec.role is None:
-            rec.role = role
+        """Record that ``tensor``'s storages are a ``role`` (the first role given wins)."""
+        for st in tensor_storages(tensor):
+            rec = self._records.get(id(st))
+            if rec is not None and rec.role is None:
+                rec.role = role
+
+    # storages resized in place (FSDP2's unsharded parameters), which no dispatch mode sees
+    def _pre_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        return None
+
+    def _post_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        if nbytes > 0 or id(st) in self._records:
+            self._add(st)
+            rec = self._records.get(id(st))
+            if rec is not None and rec.role is None and nbytes > 0:
+                rec.role = self.resize_role
 
     def breakdown(self) -> dict[str, int]:
         """Bytes per role at the peak."""
@@ -316,6 +340,8 @@ class _FakeStorageCounter(TorchDispatchMode):
         return parts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if wraps_subclass(types):
+            return NotImplemented  # a DTensor runs as operators on its local tensors, counted here
         kwargs = kwargs or {}
         for t in tree_flatten((args, kwargs))[0]:
             st = _storage_of(t)
@@ -352,7 +378,7 @@ def _storage_of(t: Any) -> torch.UntypedStorage | None:
 class _FakeSetup:
     """A fake copy of the model (and a recipe for the optimizer), reused across batch sizes."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, *, mode: str, foreach: bool) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, *, mode: str, foreach: bool, shards: Any = None) -> None:
         # Fallback kernels would run a missing meta kernel on real zero-filled
         # tensors, allocating the full batch for real: refuse instead.
         self.fake_mode = FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=True)
@@ -371,6 +397,14 @@ class _FakeSetup:
                 f"planning needs a copy of the model and copy.deepcopy failed ({exc!r}); {_ADVICE}"
             ) from exc
         self.model.train(mode == "train")
+        #: the FSDP2 hooks when sharded (batchpilot.fsdp_plan.FakeShards), else None
+        self.shards = None
+        if shards is not None:
+            real = list(model.parameters())
+            self.shards = shards(self.model, self.fake_mode)
+            sharded = list(self.model.parameters())
+            # fully_shard replaced each parameter by its shard, in the same order
+            self._fake_by_id.update({id(r): f for r, f in zip(real, sharded)})
         self.params = list(self.model.parameters())
         self.buffers = list(self.model.buffers())
         self.optimizer = optimizer
@@ -481,6 +515,8 @@ class _Config:
     device: str
     accounting: CudaAccounting | None
     layout: BatchLayout | None = None
+    world_size: int = 1
+    sharding: str | None = None
 
     def __post_init__(self) -> None:
         if self.step_fn is None:
@@ -497,6 +533,14 @@ class _Config:
             raise ValueError("accounting applies to device='cuda' only")
         if self.device == "cuda" and self.accounting is None:
             self.accounting = CudaAccounting()
+        positive_int("world_size", self.world_size)
+        if self.sharding not in (None, "fsdp2"):
+            raise ValueError(f"sharding must be None or 'fsdp2', got {self.sharding!r}")
+        if self.sharding is None and self.world_size != 1:
+            raise ValueError(
+                f"world_size={self.world_size} needs sharding='fsdp2'; a data-parallel (DDP) rank holds the "
+                "whole model, so plan it with world_size=1"
+            )
         _check_sample(self.sample, self.layout)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any) -> None:
@@ -504,6 +548,11 @@ class _Config:
             self.step_fn(model, optimizer, batch)
         else:
             default_step(model, optimizer, batch, loss_fn=self.loss_fn, amp=self.amp, mode=self.mode)
+
+
+def _mark_grads(counter: _FakeStorageCounter, params: list[torch.Tensor]) -> None:
+    for p in params:
+        counter.mark(p.grad, "gradients")
 
 
 def _mark_state(counter: _FakeStorageCounter, optimizer: torch.optim.Optimizer) -> None:
@@ -535,10 +584,15 @@ def _measure(setup: _FakeSetup, cfg: _Config, batch_size: int) -> MemoryEstimate
                 handles.append(p.register_post_accumulate_grad_hook(lambda q: counter.mark(q.grad, "gradients")))
         if optimizer is not None:
             handles.append(optimizer.register_step_post_hook(lambda opt, _a, _k: _mark_state(counter, opt)))
+            # gradients set without autograd's accumulation (FSDP2's reduce-scattered shards)
+            handles.append(optimizer.register_step_pre_hook(lambda _o, _a, _k: _mark_grads(counter, setup.params)))
+        if setup.shards is not None:
+            counter.resize_role = "unsharded_parameters"
+            handles += setup.shards.attach(counter)
         # a compiled model is planned as its eager program: dynamo cannot run on fake tensors under
         # a dispatch mode, and would otherwise stop compiling the model's code for good
         with torch.enable_grad() if cfg.mode == "train" else contextlib.nullcontext(), eager_while_tracked(), \
-                setup.fake_mode, counter:
+                setup.fake_mode, counter, watch_storage_resizes(counter):
             for _ in range(cfg.steps):
                 cfg.step(setup.model, optimizer, batch)
     except (PlanningError, ValueError, TypeError):
@@ -568,7 +622,7 @@ def _measure(setup: _FakeSetup, cfg: _Config, batch_size: int) -> MemoryEstimate
     est = MemoryEstimate(
         batch_size=batch_size, device=cfg.device, peak_bytes=counter.peak, **parts,
         allocated_bytes=allocated, reserved_bytes=reserved, context_bytes=context,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, world_size=cfg.world_size, sharding=cfg.sharding,
     )
     logger.debug("fake step at batch %d: peak %s, required %s (%.3f s)", batch_size,
                  format_bytes(est.peak_bytes), format_bytes(est.required_bytes), est.seconds)
@@ -589,6 +643,9 @@ def estimate_peak_memory(
     device: Literal["cpu", "cuda"] = "cpu",
     accounting: CudaAccounting | None = None,
     shared: str | Iterable[str] | None = None,
+    world_size: int = 1,
+    sharding: Literal["fsdp2"] | None = None,
+    shard_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> MemoryEstimate:
     """Peak memory of ``steps`` training steps at ``batch_size``, without running them for real.
 
@@ -618,6 +675,11 @@ def estimate_peak_memory(
         device: ``"cpu"`` (exact tensor bytes) or ``"cuda"`` (adds the
             caching-allocator model, cuBLAS workspaces and the context).
         accounting: CUDA constants (default :class:`CudaAccounting()`).
+        world_size, sharding: ``sharding="fsdp2"`` plans one rank of ``world_size`` with the
+            model under ``fully_shard`` (over a fake process group: no other process runs);
+            ``None`` (the default) plans the whole model on one device.
+        shard_fn: ``shard_fn(model, mesh)`` calling ``fully_shard`` your way; default
+            :func:`batchpilot.fsdp.shard_model` (each block, then the root).
 
     Returns:
         The peak and its breakdown at the moment of the peak.
@@ -625,15 +687,29 @@ def estimate_peak_memory(
     Raises:
         PlanningError: the step cannot run on fake tensors (``.item()``,
             data-dependent shapes, custom operators without a meta kernel, a
-            hard-coded CUDA device); run the finder on the device instead.
+            hard-coded CUDA device); run the finder on the device instead. Also
+            a sharded plan inside a process that runs a process group already.
         ValueError: invalid arguments.
     """
     cfg = _Config(sample=sample, loss_fn=loss_fn, step_fn=step_fn, steps=steps, mode=mode, amp=amp,
-                  device=device, accounting=accounting, layout=BatchLayout.of(shared))
+                  device=device, accounting=accounting, layout=BatchLayout.of(shared), world_size=world_size,
+                  sharding=sharding)
     # Dispatch modes already running (a StorageTracker, a FLOP counter) must not see the fake step.
-    with _disable_current_modes():
-        setup = _FakeSetup(model, optimizer, mode=mode, foreach=device == "cuda")
+    with _disable_current_modes(), _sharded(cfg, shard_fn) as shards:
+        setup = _FakeSetup(model, optimizer, mode=mode, foreach=device == "cuda", shards=shards)
         return _measure(setup, cfg, batch_size)
+
+
+@contextlib.contextmanager
+def _sharded(cfg: _Config, shard_fn: Callable[[nn.Module, Any], Any] | None) -> Any:
+    """``None`` unsharded; else, inside a fake process group, a factory sharding the fake model."""
+    if cfg.sharding is None:
+        yield None
+        return
+    from .fsdp_plan import FakeShards, fake_process_group  # torch.distributed, only when asked for
+
+    with fake_process_group(cfg.world_size) as mesh:
+        yield lambda model, fake_mode: FakeShards(model, mesh, fake_mode, shard_fn)
 
 
 # ---------------------------------------------------------------------------
@@ -743,6 +819,9 @@ def plan_batch_size(
     accounting: CudaAccounting | None = None,
     max_batch_size: int = 1 << 20,
     shared: str | Iterable[str] | None = None,
+    world_size: int = 1,
+    sharding: Literal["fsdp2"] | None = None,
+    shard_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> PlanResult:
     """The largest batch whose estimated peak fits ``target × capacity``, on fake tensors.
 
@@ -761,6 +840,8 @@ def plan_batch_size(
         accounting: CUDA constants; default :meth:`CudaAccounting.for_gpu`
             for a named GPU, else :class:`CudaAccounting()`.
         max_batch_size: the largest batch considered.
+        world_size, sharding, shard_fn: ``sharding="fsdp2"`` plans the per-rank batch of one
+            rank of ``world_size`` sharding the model with FSDP2 (see :func:`estimate_peak_memory`).
         model, sample, optimizer, loss_fn, step_fn, steps, mode, amp, shared: as for
             :func:`estimate_peak_memory`.
 
@@ -779,12 +860,13 @@ def plan_batch_size(
     if device == "cuda" and accounting is None:
         accounting = CudaAccounting.for_gpu(gpu) if gpu else CudaAccounting()
     cfg = _Config(sample=sample, loss_fn=loss_fn, step_fn=step_fn, steps=steps, mode=mode, amp=amp,
-                  device=device, accounting=accounting, layout=BatchLayout.of(shared))
+                  device=device, accounting=accounting, layout=BatchLayout.of(shared), world_size=world_size,
+                  sharding=sharding)
     limit = int(target * cap)
     estimates: dict[int, MemoryEstimate] = {}
     # Dispatch modes already running (a StorageTracker, a FLOP counter) must not see the fake steps.
-    with _disable_current_modes():
-        setup = _FakeSetup(model, optimizer, mode=mode, foreach=device == "cuda")
+    with _disable_current_modes(), _sharded(cfg, shard_fn) as shards:
+        setup = _FakeSetup(model, optimizer, mode=mode, foreach=device == "cuda", shards=shards)
 
         def cost(b: int) -> int:
             estimates[b] = _measure(setup, cfg, b)
@@ -798,7 +880,7 @@ def plan_batch_size(
         batch_size=best, capacity=cap, target=target, limit=limit, device=device, gpu=gpu,
         estimate=estimates.get(best), next_estimate=estimates.get(nxt) if nxt <= max_batch_size else None,
         evaluations={b: estimates[b].required_bytes for b in sorted(estimates)},
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, world_size=world_size, sharding=sharding,
     )
     if best == 0:
         logger.warning("even a batch of 1 needs %s, over the limit of %s (%.0f%% of %s)",

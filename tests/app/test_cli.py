@@ -653,3 +653,30 @@ def test_main_shows_only_the_batchpilot_logger_and_puts_logging_back(cli):
     assert status == 0
     assert "INFO batchpilot.plan: planned batch" in err  # -v: our INFO lines, through our handler
     assert (ours.handlers, ours.level, ours.propagate, root.handlers, root.level, fake.level) == before
+
+
+def test_plan_fsdp_plans_one_rank_of_the_world(cli):
+    status, out, err = cli("plan", "--model", "mlp", "--input-shape", "32768", "--gpu", "H100-80GB", "--fsdp",
+                           "--world-size", "64", "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert set(doc) == report.SCHEMAS["plan"] and set(doc["estimate"]) == report.SCHEMAS["plan.estimate"]
+    assert (doc["world_size"], doc["sharding"]) == (64, "fsdp2")
+    est = doc["estimate"]
+    assert est["required_bytes"] <= doc["limit_bytes"] < doc["next_required_bytes"]
+    status, out, err = cli("plan", "--model", "mlp", "--input-shape", "32768", "--gpu", "H100-80GB", "--fsdp",
+                           "--world-size", "64")
+    assert status == 0 and "sharded with FSDP2 over 64 ranks" in out and "unsharded parameters" in out
+    assert f"per rank, {doc['batch_size'] * 64} over 64 ranks" in out
+    plain = json.loads(cli("plan", "--model", "mlp", "--input-shape", "32768", "--gpu", "H100-80GB", "--json")[1])
+    assert (plain["world_size"], plain["sharding"]) == (1, None)
+    assert plain["estimate"]["unsharded_parameters"] == plain["estimate"]["communication"] == 0
+    # each rank holds a 64th of the parameters (shards padded to equal sizes)
+    assert plain["estimate"]["parameters"] / 64 <= est["parameters"] < plain["estimate"]["parameters"] / 60
+
+
+def test_plan_world_size_without_fsdp_is_a_usage_error(cli):
+    status, out, err = cli("plan", "--model", "mlp", "--gpu", "H100-80GB", "--world-size", "8")
+    assert status == 2 and "--world-size 8 needs --fsdp" in err and "Traceback" not in err
+    status, out, err = cli("plan", "--model", "mlp", "--gpu", "H100-80GB", "--fsdp", "--world-size", "0")
+    assert status == 2 and "must be at least 1" in err

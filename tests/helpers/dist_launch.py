@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +47,48 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 12
             f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{_tail(stderr)}"
         )
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def torchrun_nodes(script: str | Path, *args: str, nnodes: int = 2, nproc: int = 1, timeout: float = 150,
+                   env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``nnodes`` torchrun agents on this machine that meet by c10d rendezvous on localhost.
+
+    What a multi-node job does (one agent per machine, the same command on each), with every
+    "machine" here. Returns each agent's completed process, in start order.
+
+    Raises:
+        AssertionError: an agent exited non-zero or the launch ran past ``timeout`` (outputs attached).
+    """
+    with socket.socket() as s:  # a free port for the rendezvous store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id={uuid.uuid4().hex[:8]}",
+           str(script), *args]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for _ in range(nnodes)]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    hung = False
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            hung = True
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            outputs.append(proc.communicate())
+    while len(outputs) < len(procs):
+        outputs.append(procs[len(outputs)].communicate())
+    report = "\n".join(f"--- agent {i} (exit {p.returncode}) stdout\n{o[0][-3000:]}\n--- stderr\n{_tail(o[1])}"
+                        for i, (p, o) in enumerate(zip(procs, outputs)))
+    if hung:
+        raise AssertionError(f"{Path(script).name} {' '.join(args)} on {nnodes} nodes hung past {timeout:.0f}s\n{report}")
+    if any(p.returncode != 0 for p in procs):
+        raise AssertionError(f"{Path(script).name} {' '.join(args)} on {nnodes} nodes failed\n{report}")
+    return [subprocess.CompletedProcess(cmd, p.returncode, o[0], o[1]) for p, o in zip(procs, outputs)]
 
 
 def _tail(stderr: str) -> str:

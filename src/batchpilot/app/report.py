@@ -49,11 +49,15 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     schema_version, command="plan",
     model, input_shape, num_classes, optimizer, amp,
     gpu (name|null), device ("cpu"|"cuda"), target, capacity_bytes, limit_bytes,
+    world_size                ranks the model is sharded over (1 unsharded)
+    sharding                  "fsdp2" | null
     batch_size                the largest batch whose required bytes <= limit_bytes
-                              (required: reserved + context on CUDA, tensor bytes on CPU)
+                              (required: reserved + context on CUDA, tensor bytes on CPU);
+                              sharded: the batch of one rank
     estimate                  at batch_size: {peak_bytes, parameters, buffers, inputs,
-                                gradients, optimizer_state, activations, allocated_bytes,
-                                reserved_bytes, context_bytes, required_bytes}
+                                gradients, optimizer_state, activations, unsharded_parameters,
+                                communication, allocated_bytes, reserved_bytes,
+                                context_bytes, required_bytes}
     next_required_bytes       at batch_size + 1 (over the limit), or null
     evaluations               [{batch_size, required_bytes}], every size tried
     seconds
@@ -139,11 +143,12 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "find": _JOB_KEYS | _PLAN_KEYS | {"device"},
     "plan": _JOB_KEYS | {
         "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "estimate",
-        "next_required_bytes", "evaluations", "seconds",
+        "next_required_bytes", "evaluations", "seconds", "world_size", "sharding",
     },
     "plan.estimate": frozenset({
         "peak_bytes", "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
-        "allocated_bytes", "reserved_bytes", "context_bytes", "required_bytes",
+        "unsharded_parameters", "communication", "allocated_bytes", "reserved_bytes", "context_bytes",
+        "required_bytes",
     }),
     "plan.evaluation": frozenset({"batch_size", "required_bytes"}),
     "train": frozenset({

@@ -17,7 +17,10 @@ from .workload import Workload
 
 __all__ = ["add_parser", "run", "plan_document"]
 
-_BREAKDOWN = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations")
+_BREAKDOWN = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
+              "unsharded_parameters", "communication")
+#: parts that exist only when the model is sharded
+_SHARDED_ONLY = ("unsharded_parameters", "communication")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -27,7 +30,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Run the training step on fake tensors (no data, no device) and give the largest "
                     "batch whose peak memory fits target x capacity. Exact on CPU; on CUDA it models the "
                     "caching allocator, cuBLAS workspaces and the CUDA context.",
-        epilog=f"Known GPUs: {', '.join(GPUS)}.",
+        epilog=f"Known GPUs: {', '.join(GPUS)}. With --fsdp --world-size N the plan is one rank's of N "
+               "sharding the model with FSDP2 (each block, then the root), on a fake process group: no "
+               "other process and no GPU is needed.",
     )
     add_model_options(p)
     where = p.add_argument_group("capacity (one of)")
@@ -39,6 +44,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="whose memory accounting to model: cpu (exact tensor bytes) or cuda (allocator rounding, "
                         "workspaces, context). Default: cuda with --gpu, else cpu")
     add_fit_options(p)
+    shard = p.add_argument_group("sharding")
+    shard.add_argument("--fsdp", action="store_true",
+                       help="shard the model with FSDP2 (fully_shard each block, then the root) and plan one rank")
+    shard.add_argument("--world-size", metavar="N", type=positive_int, default=None,
+                       help="ranks to shard over with --fsdp (default 1); the batch size is per rank")
     p.add_argument("--steps", metavar="N", type=positive_int, default=2,
                    help="training steps per estimate; 2 or more count the optimizer state (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
@@ -59,6 +69,8 @@ def plan_document(workload: Workload, result: PlanResult) -> dict[str, Any]:
         "target": result.target,
         "capacity_bytes": result.capacity,
         "limit_bytes": result.limit,
+        "world_size": result.world_size,
+        "sharding": result.sharding,
         "batch_size": result.batch_size,
         "estimate": None if est is None else {
             "peak_bytes": est.peak_bytes,
@@ -76,7 +88,9 @@ def plan_document(workload: Workload, result: PlanResult) -> dict[str, Any]:
 
 def _human(doc: dict[str, Any]) -> str:
     where = doc["gpu"] or f"{format_bytes(doc['capacity_bytes'])} ({doc['device']})"
-    lines = [f"plan for {doc['model']} with input {'x'.join(map(str, doc['input_shape']))} on {where}", ""]
+    sharded = doc["sharding"] is not None
+    ranks = f", sharded with {doc['sharding'].upper()} over {doc['world_size']} ranks (per rank)" if sharded else ""
+    lines = [f"plan for {doc['model']} with input {'x'.join(map(str, doc['input_shape']))} on {where}{ranks}", ""]
     lines.append(report.format_table(
         ("batch", "required"),
         [(e["batch_size"], format_bytes(e["required_bytes"])) for e in doc["evaluations"]],
@@ -84,16 +98,18 @@ def _human(doc: dict[str, Any]) -> str:
     est = doc["estimate"]
     if est is not None:
         lines += ["", f"memory at batch {doc['batch_size']}:"]
-        rows = [(k.replace("_", " "), format_bytes(est[k])) for k in (*_BREAKDOWN, "peak_bytes")]
+        parts = [k for k in _BREAKDOWN if sharded or k not in _SHARDED_ONLY]
+        rows = [(k.replace("_", " "), format_bytes(est[k])) for k in (*parts, "peak_bytes")]
         if doc["device"] == "cuda":
             rows += [("allocated (allocator)", format_bytes(est["allocated_bytes"])),
                      ("reserved (allocator)", format_bytes(est["reserved_bytes"])),
                      ("CUDA context", format_bytes(est["context_bytes"])),
                      ("required (reserved + context)", format_bytes(est["required_bytes"]))]
         lines.append(report.format_table(("part", "memory"), rows))
+    per = f" per rank, {doc['batch_size'] * doc['world_size']} over {doc['world_size']} ranks" if sharded else ""
     lines += [
         "",
-        f"batch size: {doc['batch_size']}  (limit {format_bytes(doc['limit_bytes'])} = "
+        f"batch size: {doc['batch_size']}{per}  (limit {format_bytes(doc['limit_bytes'])} = "
         f"{doc['target']:.0%} of {format_bytes(doc['capacity_bytes'])}; planned in {doc['seconds']:.2f} s)",
     ]
     return "\n".join(lines)
@@ -109,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         if args.device == "cpu":
             raise UsageError("--gpu plans for a CUDA device; drop --device cpu")
+    if args.world_size is not None and args.world_size > 1 and not args.fsdp:
+        raise UsageError(f"--world-size {args.world_size} needs --fsdp: a data-parallel (DDP) rank holds the whole "
+                         "model, so its plan is the one without --world-size")
     model = workload.build_model()
     workload.check(model)
     optimizer_name = workload.optimizer
@@ -117,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             model, lambda b: workload.make_batch(b), capacity=args.gpu or args.capacity, target=args.target,
             optimizer=lambda params: make_optimizer(optimizer_name, params, lr=1e-3), steps=args.steps,
             amp=workload.amp, device=args.device, max_batch_size=args.max_batch_size or 1 << 20,
+            world_size=args.world_size or 1, sharding="fsdp2" if args.fsdp else None,
         )
     except PlanningError as exc:
         raise UsageError(f"cannot plan this model on fake tensors: {exc}") from None
