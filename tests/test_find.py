@@ -322,7 +322,7 @@ def test_search_runs_the_built_step_under_another_search():
 
     kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
     plan = find_batch_size_for(model, batch, search=search, **kw)
-    assert calls == [["capacity", "device", "restore"]]
+    assert calls == [["capacity", "device", "objective", "restore"]]
     # no process group: the distributed search is the local one, rank 0 limiting
     assert plan.limited_by_rank == 0 and plan.batch_size == find_batch_size_for(model, batch, **kw).batch_size
 

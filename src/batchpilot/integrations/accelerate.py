@@ -203,6 +203,9 @@ def find_executable_batch_size(
     positive_int("steps_per_trial", steps_per_trial)
     extra = dict(find_options or {})
     extra.setdefault("min_batch_size", min_batch_size)
+    # a trial is one call of the whole function, set-up included: timing another call would
+    # charge the set-up to the step and run the function twice per trial
+    extra.setdefault("timed_steps", 0)
     # the function runs steps_per_trial optimizer steps inside one call: one call per trial
     opts = SizingOptions(global_batch_size=global_batch_size, target=target, capacity=capacity, strategy=strategy,
                          max_batch_size=starting_batch_size, steps_per_trial=1, find_options=extra)
