@@ -521,3 +521,26 @@ def test_under_a_real_address_space_cap():
     ooms = [t for t in above["trials"] if t[1] == OOM]
     assert ooms and all("DefaultCPUAllocator" in t[3] for t in ooms)  # real OOMs, recovered
     assert above["batch_size"] >= below["batch_size"]
+
+
+def test_a_trial_predicted_past_a_killing_limit_is_refused_and_never_run():
+    """The 42-million-sample trial of a machine-sized capacity: refused from the measured line, not run."""
+    from types import SimpleNamespace
+
+    from batchpilot.find import _TrialRunner
+    from batchpilot.search import FIT, REFUSED, SearchSpace, Trial
+
+    ran: list[int] = []
+    gauge = SimpleNamespace(kills=True, limits=SimpleNamespace(binding="cgroup"))  # a limit that kills
+    runner = _TrialRunner(ran.append, torch.device("cpu"), gauge, 1, [], snapshot=None)
+    runner.space = SearchSpace(limit_bytes=900 * 2**20, capacity_bytes=1000 * 2**20, min_batch_size=1,
+                               max_batch_size=10**9)
+    runner.done = [Trial(batch_size=b, outcome=FIT, peak_bytes=100 * 2**20 + b * 2**10, start_bytes=0)
+                   for b in (64, 128)]  # 1 KiB per sample
+    trial = runner(42_250_455)
+    assert trial.outcome == REFUSED and ran == [] and trial.peak_bytes > 1000 * 2**20
+    assert runner.done[-1] is trial
+    ok = (980 * 2**20 - 100 * 2**20) // 2**10 - 1000  # predicted under the hard limit (1000 MiB less 2%)
+    assert runner._refuse(ok) is None  # a size predicted to fit is run as usual
+    gauge.kills = False  # RLIMIT_AS raises instead of killing: the trial may run and fail
+    assert runner._refuse(42_250_455) is None
