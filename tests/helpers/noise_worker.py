@@ -64,13 +64,14 @@ def token_mse(model: nn.Module, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return (0.5 * (model(b["x"]) - b["y"]) ** 2 * b["mask"]).sum(), b["mask"].sum()
 
 
-def measure(*, mode: str, micro: int, tokens: bool = False, schedule: Any = None, dtype=torch.float32) -> dict:
+def measure(*, mode: str, micro: int, tokens: bool = False, schedule: Any = None, dtype=torch.float32,
+            beta: float | None = None) -> dict:
     """Train STEPS steps on the global batches; every step's noise figures and global batch, and the weights."""
     rank, world = bd.rank(), bd.world_size()
     model, opt = model_opt(dtype)
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     engine = Engine(net, opt, token_mse if tokens else mse, global_batch_size=GLOBAL, micro_batch_size=micro,
-                    noise=NoiseConfig(mode=mode, split=False), schedule=schedule)
+                    noise=NoiseConfig(mode=mode, split=False, beta=beta), schedule=schedule)
     steps = []
     for step in range(STEPS):
         r = engine.step(my_share(global_batch(step, engine.global_batch_size, tokens, dtype), rank, world))
@@ -82,7 +83,8 @@ def measure(*, mode: str, micro: int, tokens: bool = False, schedule: Any = None
 #: (name, 2-rank arguments, 1-rank arguments that see the same small and big batches)
 EQUAL_CASES = [
     ("every", dict(mode="every", micro=8), dict(mode="every", micro=8)),
-    ("first-is-each-rank-share", dict(mode="first", micro=8), dict(mode="every", micro=16)),
+    # the same EMA on both sides: each mode has its own default beta
+    ("first-is-each-rank-share", dict(mode="first", micro=8), dict(mode="every", micro=16, beta=0.99)),
     ("tokens", dict(mode="every", micro=4, tokens=True), dict(mode="every", micro=4, tokens=True)),
     ("adaptive", dict(mode="every", micro=8, schedule="adaptive"), dict(mode="every", micro=8, schedule="adaptive")),
 ]

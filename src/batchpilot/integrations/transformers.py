@@ -323,8 +323,10 @@ class ResilientTrainerMixin:
         self._drop_eval_loaders()
         example = next(iter(loader()))
         model = self.accelerator.unwrap_model(self.model)
+        # the user chose the evaluation batch: shrink it only as far as memory requires, not to the
+        # throughput objective's (eval default) smaller, about-as-fast size
         plan = find_batch_size_for(model, example, mode="eval", loss_fn=_forward, max_batch_size=failed - 1,
-                                   device=self.args.device, shared=self._batchpilot_layout.shared
+                                   objective="memory", device=self.args.device, shared=self._batchpilot_layout.shared
                                    if self._batchpilot_layout else None)
         del example
         self._drop_eval_loaders()
