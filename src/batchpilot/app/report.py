@@ -506,26 +506,12 @@ def save_run_plot(plan: Mapping[str, Any] | None, steps: Sequence[Mapping[str, A
     Raises:
         ImportError: matplotlib is not installed (``pip install 'batchpilot[cli]'``).
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'batchpilot[cli]'") from exc
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    w, h = FIGURE_SIZE_PX
-    fig = Figure(figsize=(w / _DPI, h / _DPI), dpi=_DPI)
-    FigureCanvasAgg(fig)
+    fig = _figure()
     left, middle, right = fig.subplots(1, 3)
     plot_memory_fit(left, plan)
     plot_run_timeline(middle, steps)
     plot_batch_and_noise(right, steps)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    # no bbox_inches="tight": it would change the pixel size the schema promises
-    fig.tight_layout()
-    fig.savefig(path, dpi=_DPI, format="png")
-    return path
+    return _save_figure(fig, path, title)
 
 
 def save_find_plot(plan: Mapping[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path:
@@ -536,19 +522,30 @@ def save_find_plot(plan: Mapping[str, Any], path: str | os.PathLike, *, title: s
     Raises:
         ImportError: matplotlib is not installed (``pip install 'batchpilot[cli]'``).
     """
+    fig = _figure()
+    plot_memory_fit(fig.subplots(1, 1), plan)
+    return _save_figure(fig, path, title)
+
+
+def _figure() -> Any:
+    """A matplotlib ``Figure`` of :data:`FIGURE_SIZE_PX` pixels on the Agg canvas (no display needed)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError("plots need matplotlib: pip install 'batchpilot[cli]'") from exc
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     w, h = FIGURE_SIZE_PX
     fig = Figure(figsize=(w / _DPI, h / _DPI), dpi=_DPI)
     FigureCanvasAgg(fig)
-    plot_memory_fit(fig.subplots(1, 1), plan)
+    return fig
+
+
+def _save_figure(fig: Any, path: str | os.PathLike, title: str | None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if title:
         fig.suptitle(title, fontsize=10)
+    # no bbox_inches="tight": it would change the pixel size the schema promises
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI, format="png")
     return path
