@@ -216,8 +216,9 @@ class LengthBudget:
     def micro_batch(self, length: int) -> int:
         """The largest micro-batch for samples padded to ``length`` (0: not even one sample fits).
 
-        The model's answer, never below what a trial verified at a length at least as long
-        (a shorter sequence needs no more memory), and capped at ``max_batch_size``. With
+        At a verified length, the verified batch; elsewhere the model's answer, never below what
+        a trial verified at a length at least as long (a shorter sequence needs no more memory);
+        capped at ``max_batch_size``. With
         ``F(L) = 1000 + 2L``, ``P(L) = 10L + L²`` and a verified 56 at length 128:
 
         >>> fit = fit_lengths({16: (1032, 416), 32: (1064, 1344), 64: (1128, 4736)})
@@ -236,9 +237,11 @@ class LengthBudget:
         length = positive_int("length", length)
         if length > self.verified_max:
             raise UnverifiedLengthError(length, self.verified_max)
-        answer = self.fit.max_batch(length, self.limit_bytes)
-        floor = min(b for L, b in self.verified.items() if L >= length)
-        answer = max(answer, floor)
+        if length in self.verified:  # a real search answered this length: it outranks the model
+            answer = self.verified[length]
+        else:
+            floor = max(b for L, b in self.verified.items() if L >= length)
+            answer = max(self.fit.max_batch(length, self.limit_bytes), floor)
         return answer if self.max_batch_size is None else min(answer, self.max_batch_size)
 
     def table(self, lengths: Iterable[int]) -> dict[int, int]:
