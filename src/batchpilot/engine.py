@@ -845,8 +845,12 @@ class Engine:
         self._adopt_fit(plan)
         return max(1, int(plan.batch_size))
 
-    def _search(self, split: BatchSplitter, **overrides: Any) -> BatchPlan:
+    def _search(self, split: BatchSplitter, *, accumulating: bool = False, **overrides: Any) -> BatchPlan:
         """A finder search on ``split``'s samples (``overrides``: finder options); all state put back.
+
+        ``accumulating``: a trial below the per-rank batch runs two micro-batches, so its peak
+        holds the gradients a later micro-batch runs beside (sizing by length reuses the answer
+        for every micro-batch of a step).
 
         Raises:
             batchpilot.find.NothingFitsError: not even the smallest batch fits (with several
@@ -898,6 +902,9 @@ class Engine:
             if hasattr(self.coordinator, "limited_by_rank"):
                 # the agreement below sees equal proposals now; the finder knows who limited them
                 self.coordinator.limited_by_rank = plan.limited_by_rank
+        elif accumulating:
+            plan = find_batch_size(lambda b: trial(b, 2 if b < self._per_rank else 1),
+                                   restore=(inner, self.optimizer), **options)
         else:
             plan = find_batch_size(trial, restore=(inner, self.optimizer), **options)
         return plan
@@ -931,7 +938,7 @@ class Engine:
         sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
         widths = None
         if self.lengths is not None and own:  # the engine's own step, not a finder trial
-            split, sizes, widths = self.lengths.cut(split, micro, sizes)
+            sizes, widths = self.lengths.cut(split, micro, sizes)
         elif self._compiled:
             sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
         last = len(sizes) - 1
@@ -944,9 +951,8 @@ class Engine:
         mode = None
         start = 0
         for i, size in enumerate(sizes):
-            mb = split.slice(start, size, self.device)
-            if widths is not None:
-                mb = self.lengths.trim(mb, widths[i])
+            # length-aware: the micro-batch's samples, trimmed to their longest
+            mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
             start += size
             if self._compiled:
                 mark_batch_dynamic(mb, self.layout)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._checks import check_int
-from .batch import BatchSplitter
+from .batch import BatchSplitter, to_device
 from .find_lengths import LengthPlan
 from .lengths import LengthBudget, UnverifiedLengthError, fit_lengths
 from .memory import format_bytes
@@ -114,10 +114,14 @@ class LengthSizer:
         self.length: int | None = None  # this step's padded length
         self.sizes: list[int] = []  # each micro-batch's samples in the last attempt
         self.widths: list[int] = []  # and its padded length
+        self.groups: list[list[int]] = []  # with split: each micro-batch's sample indices
         self.verifications = 0
         self._step_micro = 0
         if plan is not None:
             self.budget = plan.budget(engine.per_rank_batch_size)
+            # the finder's trials ran one micro-batch each; a step that accumulates runs its later
+            # micro-batches beside the gradients of the earlier ones
+            self.budget.limit_bytes -= sum(p.numel() * p.element_size() for p in engine._params)
             self.lines = {L: (p.fit.fixed_bytes, p.fit.bytes_per_sample)
                           for L, p in plan.length_plans.items() if p.fit is not None}
 
@@ -155,7 +159,7 @@ class LengthSizer:
 
     def _search_lines(self, split: BatchSplitter, L: int) -> int:
         """A real search on ``split`` (padded to ``L``); its line joins the model's. Returns the fitting batch."""
-        plan = self.engine._search(split, timed_steps=0)
+        plan = self.engine._search(split, accumulating=True, timed_steps=0)
         if plan.fit is not None and plan.fit.bytes_per_sample > 0:
             self.lines[L] = (plan.fit.fixed_bytes, plan.fit.bytes_per_sample)
         if self.engine.plan is None:
@@ -205,16 +209,17 @@ class LengthSizer:
         self.budget.verify(L, fits)
 
     # ------------------------------------------------------------------ inside the step
-    def cut(self, split: BatchSplitter, micro: int, sizes: list[int]) -> tuple[BatchSplitter, list[int], list[int]]:
-        """The attempt's micro-batches: ``(splitter, sizes, padded lengths)``.
+    def cut(self, split: BatchSplitter, micro: int, sizes: list[int]) -> tuple[list[int], list[int] | None]:
+        """The attempt's micro-batches: ``(sizes, padded lengths)``; lengths ``None`` without ``split``.
 
-        Without ``split`` every micro-batch has the batch's length. With it, the samples are
-        sorted by real length and cut by :func:`~batchpilot.lengths.plan_length_split`, each
-        micro-batch's budget scaled by how far an OOM retry has shrunk ``micro``.
+        Without ``split`` every micro-batch is a slice at the batch's length. With it, the
+        samples are sorted by real length and cut by :func:`~batchpilot.lengths.plan_length_split`
+        (:meth:`take` builds each), each micro-batch's budget scaled by how far an OOM retry
+        has shrunk ``micro``.
         """
         if not self.config.split:
             self.sizes, self.widths = list(sizes), [self.length] * len(sizes)
-            return split, sizes, self.widths
+            return sizes, None
         from .lengths import plan_length_split
 
         assert self.budget is not None and self.length is not None
@@ -226,10 +231,17 @@ class LengthSizer:
             return max(1, math.floor(min(self.budget.micro_batch(L), per_rank) * shrink))
 
         groups = plan_length_split(real, budget)
-        order = [i for idx, _ in groups for i in idx]
-        ordered = BatchSplitter(gather_rows(split, order), self.engine.layout)
+        self.groups = [idx for idx, _ in groups]
         self.sizes, self.widths = [len(idx) for idx, _ in groups], [w for _, w in groups]
-        return ordered, self.sizes, self.widths
+        return self.sizes, self.widths
+
+    def take(self, split: BatchSplitter, i: int, device: Any) -> Any:
+        """Micro-batch ``i`` of the split: its samples gathered, trimmed to its width, on ``device``.
+
+        Trimmed before gathering, so the only copy is the micro-batch itself (``b × width``).
+        """
+        narrow = BatchSplitter(self.trim(split.batch, self.widths[i]), self.engine.layout)
+        return to_device(gather_rows(narrow, self.groups[i]), device)
 
     def trim(self, micro_batch: Any, width: int) -> Any:
         """A micro-batch narrowed to ``width`` tokens (a no-op at the batch's own length)."""
