@@ -862,7 +862,8 @@ def find_batch_size_for(
         forward: deprecated: pass the same function as ``loss_fn``.
         amp_dtype: deprecated spelling of ``amp``.
         lengths: sequence lengths to answer for (padded LM batches): a real search runs at two
-            or three of them (all up to three; else the shortest, the longest and one between) on
+            or three of them (those within 8× of the longest: see
+            :func:`batchpilot.find_lengths.choose_fit_lengths`) on
             the example batch trimmed to each on ``seq_dim`` (or ``batch(batch_size, length)`` when
             ``batch`` is a function), and their memory lines fit ``peak ≈ F(L) + b·P(L)``
             (:mod:`batchpilot.lengths`). Returns a :class:`batchpilot.find_lengths.LengthPlan`:

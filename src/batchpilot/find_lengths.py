@@ -73,16 +73,25 @@ def _fitting(plan: BatchPlan) -> int:
 
 
 def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
-    """The lengths to search at: all of them up to three, else the shortest, the longest and one between.
+    """The lengths to search at: up to three, from those within 8× of the longest.
+
+    Much shorter sequences are left to the model: there the fixed memory (weights, optimizer
+    state) hides the per-sample cost, and their lines say little about the long lengths that
+    run out of memory. All of them up to three, else the shortest, the longest and the one
+    nearest their geometric mean (all of ``lengths`` when fewer than two are within 8×):
 
     >>> choose_fit_lengths((128, 256, 512, 1024, 2048))
-    (128, 512, 2048)
+    (256, 1024, 2048)
+    >>> choose_fit_lengths((16, 512))
+    (16, 512)
     """
-    if len(lengths) <= 3:
-        return lengths
-    middle = math.sqrt(lengths[0] * lengths[-1])
-    mid = min(lengths[1:-1], key=lambda L: abs(math.log(L / middle)))
-    return (lengths[0], mid, lengths[-1])
+    near = tuple(L for L in lengths if 8 * L >= lengths[-1])
+    pool = near if len(near) >= 2 else lengths
+    if len(pool) <= 3:
+        return pool
+    middle = math.sqrt(pool[0] * pool[-1])
+    mid = min(pool[1:-1], key=lambda L: abs(math.log(L / middle)))
+    return (pool[0], mid, pool[-1])
 
 
 def length_batch_fn(batch: Any, lengths: tuple[int, ...], *, seq_dim: int | None) -> Callable[[int], Any]:
