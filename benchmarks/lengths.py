@@ -115,8 +115,11 @@ def run_arm(name: str, model: TinyGPT, batches: list, cfg: dict, plan: Any) -> d
     steps = []
     t0 = time.perf_counter()
     with emulate_capacity(cfg["capacity"]):
-        for batch in batches:
+        for i, batch in enumerate(batches):
             r = engine.step(batch)
+            if (i + 1) % 50 == 0:
+                print(f"  {name}: step {i + 1}/{len(batches)}, {time.perf_counter() - t0:.0f}s", file=sys.stderr,
+                      flush=True)
             width = batch["input_ids"].shape[1]
             if engine.lengths is not None and engine.lengths.config.split:
                 groups = [list(g) for g in engine.lengths.groups]

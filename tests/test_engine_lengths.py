@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -124,3 +125,22 @@ def test_bad_configuration_fails_at_construction() -> None:
     with pytest.raises(ValueError, match="attention_mask"):
         _train(model, [(torch.zeros(N, 8, dtype=torch.long), torch.zeros(N, dtype=torch.long))],
                LengthConfig(), )
+
+
+def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = Engine(model, opt, lm_loss, global_batch_size=N, lengths=LengthConfig(),
+                    config=EngineConfig(capacity=CAP))
+    with emulate_capacity(CAP):
+        engine.step(_batches([64])[0])  # fits the model at 64, 32 and 16
+        budget = engine.lengths.budget
+        honest = budget.micro_batch(48)
+        fit = budget.fit
+        budget.fit = dataclasses.replace(fit, per_sample=tuple(p / 3 for p in fit.per_sample))  # a model 3x too small
+        first = engine.step(_batches([48], seed=5)[0])
+        assert first.micro_batch_size > honest and (first.ooms >= 1 or first.peak_bytes > 0.8 * (1 << 20))
+        assert budget.limit_bytes < 0.8 * (1 << 20)  # derated
+        later = [engine.step(b) for b in _batches([48, 48], seed=6)]
+    assert [r.ooms for r in later] == [0, 0]
+    assert all(r.peak_bytes <= 0.8 * (1 << 20) for r in later)

@@ -256,16 +256,15 @@ class LengthSizer:
         return max((self.budget.fit.peak(b, w) for b, w in zip(self.sizes, self.widths)), default=0.0)
 
     def observe(self, peak: int, capacity: int) -> bool:
-        """A clean attempt peaked at ``peak``: derate the model if it under-predicted past the limit. True on pressure."""
+        """A clean attempt peaked at ``peak``: derate the model if it went over the target. True on pressure."""
         e = self.engine
         pressure = peak > e.config.high_water * capacity
-        if self.budget is not None and self.sizes:
+        if self.budget is not None and self.sizes and peak > e.target * capacity:
             predicted = self._predicted()
-            if peak > self.budget.limit_bytes and peak > predicted > 0:
-                self.budget.limit_bytes *= predicted / peak
-                logger.warning("length %s: the step peaked at %s, the model predicted %s; derating the model's "
-                               "limit to %s", self.length, format_bytes(peak), format_bytes(predicted),
-                               format_bytes(self.budget.limit_bytes))
+            if peak > predicted > 0:
+                self._derate(predicted / peak, f"the step peaked at {format_bytes(peak)}, over the target "
+                                               f"{e.target:.0%} of {format_bytes(capacity)}; the model predicted "
+                                               f"{format_bytes(predicted)}")
         return pressure
 
     def on_oom(self, capacity: int) -> None:
@@ -274,8 +273,15 @@ class LengthSizer:
             return
         predicted = self._predicted()
         if 0 < predicted < capacity:
-            self.budget.limit_bytes *= predicted / capacity
-        logger.warning("out of memory at length %s although the model predicted %s of %s; derating its limit to %s",
-                       self.length, format_bytes(predicted), format_bytes(capacity),
-                       format_bytes(self.budget.limit_bytes))
+            self._derate(predicted / capacity, f"out of memory although the model predicted {format_bytes(predicted)} "
+                                               f"of {format_bytes(capacity)}")
 
+    def _derate(self, factor: float, why: str) -> None:
+        """Scale the budget's limit by ``factor`` (< 1); verified answers above the new model's are cut to it."""
+        budget = self.budget
+        assert budget is not None
+        budget.limit_bytes *= factor
+        for L, b in budget.verified.items():
+            budget.verified[L] = max(1, min(b, budget.fit.max_batch(L, budget.limit_bytes)))
+        logger.warning("length %s: %s; derating the model's limit to %s", self.length, why,
+                       format_bytes(budget.limit_bytes))
