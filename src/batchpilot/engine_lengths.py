@@ -143,6 +143,8 @@ class LengthSizer:
         L = padded_length(split, seq_dim=cfg.seq_dim, length_fn=cfg.length_fn, layout=e.layout)
         self.length = L
         if self.budget is None:
+            if cfg.split:
+                sample_lengths(split.batch)  # a batch the split cannot read fails before any search
             self._first_fit(split, L)
         elif L > self.budget.verified_max:
             if cfg.beyond == "error":
