@@ -157,7 +157,12 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
     checks = {}
     for row in doc["rows"]:
         checks.setdefault(row["model"], []).append(row["check"])
-    assert set(checks) == {"mlp", "resnet50", "gpt2"}
+    assert set(checks) == {"mlp", "resnet50", "gpt2", "tinygpt"}
+    assert checks.pop("tinygpt") == ["lengths"]
+    lengths = doc["models"].pop("tinygpt")
+    assert "errors" not in lengths, lengths.get("errors")
+    # the per-length model at a length it did not search: exactly the real search's answer on CPU
+    assert lengths["lengths"]["model_answer"] == lengths["lengths"]["real_answer"] >= 1
     for name, seen in checks.items():
         assert seen == ["plan allocated"] * 3 + ["plan fsdp", "finder vs truth", "samples/s", "OOM recovery",
                                                  "noise cost", "throughput choice", "balanced split"], name
