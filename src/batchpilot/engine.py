@@ -262,7 +262,8 @@ class Engine:
             micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
             ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
             schedule that follows the noise scale with ``noise=False`` (or a coordinator of
-            several ranks that cannot sum it).
+            several ranks that cannot sum it), ``lengths`` with a fixed micro-batch, an int
+            ``start``, or several ranks.
         TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type.
     """
 
