@@ -411,6 +411,9 @@ class Engine:
                 larger than :attr:`per_rank_batch_size`, or ``loss_fn`` returned something
                 other than a 0-dim tensor or a ``(sum, count)`` pair.
             BatchDoesNotFitError: a micro-batch of 1 runs out of memory.
+            batchpilot.lengths.UnverifiedLengthError: with ``lengths=LengthConfig(beyond="error")``,
+                a batch longer than the longest verified length. The batch's length cannot be
+                read (a declared ``seq_dim`` it lacks, no ``attention_mask``) → ``ValueError``.
             torch.OutOfMemoryError: an OOM with a fixed ``micro_batch_size`` (on every rank when
                 any rank ran out), after the partial gradients were dropped. An OOM in the
                 optimizer step itself (e.g. Adam creating its state) is not retried either: a
