@@ -49,7 +49,7 @@ from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes  # noq
 from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch  # noqa: E402
 from batchpilot.seqbatch import trim_batch  # noqa: E402
 
-COLUMNS = ("arm", "steps", "OOMs after step 1", "verifications", "micro-batches", "tokens/micro-batch",
+COLUMNS = ("arm", "steps", "OOMs after step 1", "over target", "verifications", "micro-batches", "tokens/micro-batch",
            "allowed", "use", "samples/s ratio", "wall ratio", "replay ratio", "max |Δparam| rel", "exact", "goal")
 FULL = dict(steps=200, global_batch=32, min_len=16, max_len=512, dim=32, layers=2, heads=2, vocab=256,
             capacity="40MiB", fit_lengths=(128, 256, 512), table=(16, 32, 64, 128, 256, 384, 512))
@@ -212,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         replay_ratio = replay["fixed"] / replay[a["name"]]
         verifications = a["engine"].lengths.verifications if a["engine"].lengths is not None else 0
         goal = ooms_after == 0 and exact and (a["name"] == "fixed" or (use >= 0.8 and ratio >= 1.5))
-        rows.append((a["name"], len(a["steps"]), ooms_after, verifications, len(tokens),
+        over = sum(st["peak"] > plan.limit_bytes for st in a["steps"])
+        rows.append((a["name"], len(a["steps"]), ooms_after, over, verifications, len(tokens),
                      round(sum(tokens) / len(tokens)), round(sum(allowed) / len(allowed)), f"{use:.0%}",
                      f"{ratio:.2f}x", f"{wall_ratio:.2f}x", f"{replay_ratio:.2f}x", f"{diff:.1e}", "yes" if exact else "NO",
                      "met" if goal else "not met"))
         records.append({"arm": a["name"], "steps": len(a["steps"]), "ooms_after_first": ooms_after,
-                        "verifications": verifications, "micro_batches": len(tokens),
+                        "verifications": verifications, "steps_over_target": over, "micro_batches": len(tokens),
                         "mean_tokens": sum(tokens) / len(tokens), "mean_allowed_tokens": sum(allowed) / len(allowed),
                         "use": use, "seconds": a["seconds"], "wall_seconds": a["wall"],
                         "samples_per_second": samples / a["seconds"], "ratio_vs_fixed": ratio,

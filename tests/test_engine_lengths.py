@@ -140,7 +140,8 @@ def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> Non
         budget.fit = dataclasses.replace(fit, per_sample=tuple(p / 3 for p in fit.per_sample))  # a model 3x too small
         first = engine.step(_batches([48], seed=5)[0])
         assert first.micro_batch_size > honest and (first.ooms >= 1 or first.peak_bytes > 0.8 * (1 << 20))
-        assert budget.limit_bytes < 0.8 * (1 << 20)  # derated
+        # an OOM derates the whole model; a peak over the target corrects it near that length
+        assert budget.limit_bytes < 0.8 * (1 << 20) or 48 in budget.corrections
         later = [engine.step(b) for b in _batches([48, 48], seed=6)]
     assert [r.ooms for r in later] == [0, 0]
     assert all(r.peak_bytes <= 0.8 * (1 << 20) for r in later)

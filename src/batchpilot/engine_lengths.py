@@ -253,27 +253,38 @@ class LengthSizer:
                           layout=self.engine.layout)
 
     # ------------------------------------------------------------------ after an attempt
-    def _predicted(self) -> float:
+    def _predicted(self) -> tuple[float, int]:
+        """The model's largest micro-batch peak in the last attempt, and that micro-batch's length."""
         assert self.budget is not None
-        return max((self.budget.fit.peak(b, w) for b, w in zip(self.sizes, self.widths)), default=0.0)
+        fit = self.budget.fit
+        return max(((fit.peak(b, w), w) for b, w in zip(self.sizes, self.widths)), default=(0.0, 0))
 
     def observe(self, peak: int, capacity: int) -> bool:
-        """A clean attempt peaked at ``peak``: derate the model if it went over the target. True on pressure."""
+        """A clean attempt peaked at ``peak``: correct the model near its length if it went over the target.
+
+        Returns True on memory pressure (over ``high_water``).
+        """
         e = self.engine
         pressure = peak > e.config.high_water * capacity
         if self.budget is not None and self.sizes and peak > e.target * capacity:
-            predicted = self._predicted()
+            predicted, width = self._predicted()
             if peak > predicted > 0:
-                self._derate(predicted / peak, f"the step peaked at {format_bytes(peak)}, over the target "
-                                               f"{e.target:.0%} of {format_bytes(capacity)}; the model predicted "
-                                               f"{format_bytes(predicted)}")
+                budget = self.budget
+                factor = peak / predicted
+                if width in budget.verified:  # the model does not size a verified length: its answer shrinks
+                    budget.verified[width] = max(1, math.floor(budget.verified[width] / factor))
+                else:
+                    budget.correct(width, factor)
+                logger.warning("length %d: the step peaked at %s, over the target %.0f%% of %s, %.2fx the model's "
+                               "%s; lengths near it are sized for that from now on", width, format_bytes(peak),
+                               100 * e.target, format_bytes(capacity), factor, format_bytes(predicted))
         return pressure
 
     def on_oom(self, capacity: int) -> None:
         """An attempt ran out of memory: the model over-promised at this length; derate it."""
         if self.budget is None or not self.sizes:
             return
-        predicted = self._predicted()
+        predicted, _ = self._predicted()
         if 0 < predicted < capacity:
             self._derate(predicted / capacity, f"out of memory although the model predicted {format_bytes(predicted)} "
                                                f"of {format_bytes(capacity)}")

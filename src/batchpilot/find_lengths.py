@@ -78,7 +78,8 @@ def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
     Much shorter sequences are left to the model: there the fixed memory (weights, optimizer
     state) hides the per-sample cost, and their lines say little about the long lengths that
     run out of memory. All of them up to three, else the shortest, the longest and the one
-    nearest their geometric mean (all of ``lengths`` when fewer than two are within 8×):
+    nearest their geometric mean, the longer on a tie (all of ``lengths`` when fewer than two
+    are within 8×):
 
     >>> choose_fit_lengths((128, 256, 512, 1024, 2048))
     (256, 1024, 2048)
@@ -90,7 +91,8 @@ def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
     if len(pool) <= 3:
         return pool
     middle = math.sqrt(pool[0] * pool[-1])
-    mid = min(pool[1:-1], key=lambda L: abs(math.log(L / middle)))
+    # ties go to the longer length: memory runs out at the long end
+    mid = min(pool[1:-1], key=lambda L: (round(abs(math.log(L / middle)), 9), -L))
     return (pool[0], mid, pool[-1])
 
 

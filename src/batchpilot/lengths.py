@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ._checks import positive_int
 
 __all__ = [
+    "CORRECTION_BAND",
     "LengthFit",
     "LengthBudget",
     "UnverifiedLengthError",
@@ -28,6 +29,10 @@ __all__ = [
     "fit_lengths_for",
     "plan_length_split",
 ]
+
+
+#: a correction at length L holds for lengths in [L / band, L × band]
+CORRECTION_BAND = 1.25
 
 
 class UnverifiedLengthError(ValueError):
@@ -197,12 +202,16 @@ class LengthBudget:
         limit_bytes: the peak a micro-batch may reach (``target × capacity``).
         verified: ``{length: batch size}`` a real trial (or search) showed to fit at that length.
         max_batch_size: a cap on every answer (the per-rank batch, a user's bound), or ``None``.
+        corrections: ``{length: factor}``: a step at ``length`` peaked ``factor`` (> 1) times
+            over the model's prediction; lengths within :data:`CORRECTION_BAND` of it are sized
+            for a peak that many times the model's (see :meth:`correct`).
     """
 
     fit: LengthFit
     limit_bytes: float
     verified: dict[int, int] = field(default_factory=dict)
     max_batch_size: int | None = None
+    corrections: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.verified:
@@ -241,8 +250,32 @@ class LengthBudget:
             answer = self.verified[length]
         else:
             floor = max(b for L, b in self.verified.items() if L >= length)
-            answer = max(self.fit.max_batch(length, self.limit_bytes), floor)
+            model = self.fit.max_batch(length, self._limit_at(length))
+            answer = max(model, floor)
         return answer if self.max_batch_size is None else min(answer, self.max_batch_size)
+
+    def _limit_at(self, length: int) -> float:
+        """The limit the model is held to at ``length``: lowered by the corrections near it."""
+        near = [f for L, f in self.corrections.items() if L / CORRECTION_BAND <= length <= L * CORRECTION_BAND]
+        return self.limit_bytes / max(near, default=1.0)
+
+    def correct(self, length: int, factor: float) -> None:
+        """A step at ``length`` peaked ``factor`` times over the model: size lengths near it for that.
+
+        The model is a quadratic through two or three lengths; where the step's peak moves from
+        one part of the step to another between them (logits at short lengths, attention scores
+        at long ones), it under-predicts there. The correction holds within a factor of
+        :data:`CORRECTION_BAND` of ``length``, except at verified lengths.
+
+        >>> fit = LengthFit(fixed=(0.0, 0.0, 0.0), per_sample=(0.0, 100.0, 0.0))
+        >>> budget = LengthBudget(fit=fit, limit_bytes=100_000, verified={1000: 1})
+        >>> budget.correct(100, 1.25)
+        >>> [budget.micro_batch(L) for L in (50, 100, 120, 140, 200)]
+        [20, 8, 6, 7, 5]
+        """
+        positive_int("length", length)
+        if factor > 1:
+            self.corrections[length] = max(factor, self.corrections.get(length, 1.0))
 
     def table(self, lengths: Iterable[int]) -> dict[int, int]:
         """``{length: micro_batch(length)}`` for the lengths up to :attr:`verified_max`."""
@@ -256,7 +289,8 @@ class LengthBudget:
     def to_dict(self) -> dict[str, Any]:
         return {"fit": self.fit.to_dict(), "limit_bytes": self.limit_bytes,
                 "verified": {str(k): v for k, v in sorted(self.verified.items())},
-                "max_batch_size": self.max_batch_size}
+                "max_batch_size": self.max_batch_size,
+                "corrections": {str(k): v for k, v in sorted(self.corrections.items())}}
 
 
 def plan_length_split(lengths: Sequence[int], budget: Callable[[int], int]) -> list[tuple[list[int], int]]:
