@@ -57,3 +57,14 @@ def test_bad_input_fails_before_any_trial(kwargs, match) -> None:
     example = padded_lm_batch([64, 10], vocab=64, pad_to=64)
     with pytest.raises(ValueError, match=match):
         find_batch_size_for(model, example, optimizer=opt, loss_fn=lm_loss, capacity=CAP, **kwargs)
+
+
+def test_fit_lengths_sequences() -> None:
+    import doctest
+
+    from batchpilot import find_lengths
+
+    result = doctest.testmod(find_lengths)
+    assert result.attempted >= 2 and result.failed == 0
+    assert choose_fit_lengths((16, 32, 64, 128, 256, 384, 512)) == (64, 256, 512)  # within 8x; the tie goes long
+    assert choose_fit_lengths((16, 512)) == (16, 512)
