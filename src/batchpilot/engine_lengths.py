@@ -271,10 +271,13 @@ class LengthSizer:
             if peak > predicted > 0:
                 budget = self.budget
                 factor = peak / predicted
-                if width in budget.verified:  # the model does not size a verified length: its answer shrinks
+                # which micro-batch peaked is not measured: every length the model sized takes the
+                # correction; only when a verified length was all there was does its answer shrink
+                modelled = {w for w in self.widths if w not in budget.verified}
+                for w in modelled:
+                    budget.correct(w, factor)
+                if not modelled:
                     budget.verified[width] = max(1, math.floor(budget.verified[width] / factor))
-                else:
-                    budget.correct(width, factor)
                 logger.warning("length %d: the step peaked at %s, over the target %.0f%% of %s, %.2fx the model's "
                                "%s; lengths near it are sized for that from now on", width, format_bytes(peak),
                                100 * e.target, format_bytes(capacity), factor, format_bytes(predicted))
