@@ -278,9 +278,11 @@ class LengthSizer:
                     budget.correct(w, factor)
                 if not modelled:
                     budget.verified[width] = max(1, math.floor(budget.verified[width] / factor))
-                logger.warning("length %d: the step peaked at %s, over the target %.0f%% of %s, %.2fx the model's "
-                               "%s; lengths near it are sized for that from now on", width, format_bytes(peak),
-                               100 * e.target, format_bytes(capacity), factor, format_bytes(predicted))
+                logger.warning("lengths %s: the step peaked at %s, over the target %.0f%% of %s, %.2fx the model's "
+                               "%s; %s", sorted(set(self.widths)), format_bytes(peak), 100 * e.target,
+                               format_bytes(capacity), factor, format_bytes(predicted),
+                               f"lengths near {sorted(modelled)} are sized for that from now on" if modelled
+                               else f"the verified answer at {width} is now {budget.verified[width]}")
         return pressure
 
     def on_oom(self, capacity: int) -> None:
