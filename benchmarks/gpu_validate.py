@@ -659,6 +659,41 @@ def check_noise_cost(r: Runner, found: int, steps: int, rows: list, doc: dict) -
 # ---------------------------------------------------------------------------
 
 
+def check_lengths(device: torch.device, small: bool, target: float, rows: list, doc: dict) -> None:
+    """The per-length finder (``lengths=``) on a causal LM with unfused attention: its answer at a
+    length it did not search against a real search there, and the fit's ``L²`` term.
+
+    On CPU the tracker's peaks are exactly quadratic in the length, so the answers agree exactly;
+    on a GPU the caching allocator rounds every block, and this measures what that costs.
+    """
+    from batchpilot.models import TinyGPT, lm_loss as token_loss, padded_lm_batch
+
+    torch.manual_seed(0)
+    if small:
+        dims, lengths, held, capacity = dict(vocab=64, dim=16, heads=2, layers=1, max_len=64), (16, 32, 64), 48, "1MiB"
+    else:
+        dims, lengths, held, capacity = (dict(vocab=8192, dim=256, heads=8, layers=4, max_len=2048),
+                                         (512, 1024, 2048), 1536, "4GiB")
+    model = TinyGPT(**dims).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def at(b: int, L: int) -> dict[str, torch.Tensor]:
+        return padded_lm_batch([L] * b, vocab=dims["vocab"])
+
+    plan = find_batch_size_for(model, at, optimizer=opt, loss_fn=token_loss, capacity=capacity, target=target,
+                               lengths=(*lengths, held), timed_steps=0)
+    real = find_batch_size_for(model, lambda b: at(b, held), optimizer=opt, loss_fn=token_loss, capacity=capacity,
+                               target=target, timed_steps=0)
+    answer = plan.per_length[held]
+    doc["lengths"] = {"capacity": parse_bytes(capacity), "per_length": plan.per_length, "held_out": held,
+                      "model_answer": answer, "real_answer": real.batch_size,
+                      "fit": plan.length_fit.to_dict(), "trials": sum(p.num_trials for p in plan.length_plans.values()),
+                      "over_real": answer / real.batch_size if real.batch_size else None}
+    rows.append(("tinygpt", "lengths", f"cap {capacity}, searched {', '.join(map(str, lengths))}",
+                 f"{answer} at L={held} (model)", f"{real.batch_size} (search)",
+                 f"{answer / real.batch_size:.2f}" if real.batch_size else "-"))
+
+
 def guarded(rows: list, doc: dict, model: str, check: str, fn: Callable[[], Any]) -> Any:
     """Run one check; on an error add a row saying so (traceback to stderr) and return ``None``."""
     try:
@@ -719,6 +754,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del r
         gc.collect()
         free_memory(device)
+    ldoc = doc["models"]["tinygpt"] = {}
+    guarded(rows, ldoc, "tinygpt", "lengths", lambda: check_lengths(device, args.small, args.target, rows, ldoc))
+    print(format_table(COLUMNS, [row for row in rows if row[0] == "tinygpt"]), flush=True)
     doc["rows"] = [dict(zip(COLUMNS, row)) for row in rows]
     doc["seconds"] = time.perf_counter() - t_start
     return doc

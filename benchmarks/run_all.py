@@ -45,6 +45,7 @@ KNOWN = (
     Script("gpu_validate", quick=("--small",)),
     Script("compiled", quick=("--quick",)),
     Script("noise", quick=("--quick",)),
+    Script("lengths", quick=("--quick",)),
 )
 
 

@@ -13,9 +13,10 @@ import batchpilot
 CONTRACT = {
     "find_batch_size": ["step", "device", "target", "capacity", "strategy", "min_batch_size", "max_batch_size",
                         "steps_per_trial", "restore", "first_guess", "progress"],
-    "find_batch_size_for": ["model", "batch", "optimizer", "loss_fn", "mode"],
+    "find_batch_size_for": ["model", "batch", "optimizer", "loss_fn", "mode", "lengths", "seq_dim"],
     "Engine": ["model", "optimizer", "loss_fn", "global_batch_size", "micro_batch_size", "device", "amp",
-               "grad_clip", "target", "scheduler", "coordinator", "config", "noise", "schedule"],
+               "grad_clip", "target", "scheduler", "coordinator", "config", "noise", "schedule", "lengths"],
+    "LengthConfig": ["seq_dim", "length_fn", "split", "beyond"],
     "NoiseConfig": ["mode", "beta", "dataset_size", "split"],
     "RampSchedule": ["start", "increment", "samples", "granule", "lr_rule", "scale_weight_decay"],
     "AdaptiveSchedule": ["k", "min_batch_size", "max_batch_size", "granule", "every", "max_factor", "decrease",

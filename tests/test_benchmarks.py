@@ -157,7 +157,12 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
     checks = {}
     for row in doc["rows"]:
         checks.setdefault(row["model"], []).append(row["check"])
-    assert set(checks) == {"mlp", "resnet50", "gpt2"}
+    assert set(checks) == {"mlp", "resnet50", "gpt2", "tinygpt"}
+    assert checks.pop("tinygpt") == ["lengths"]
+    lengths = doc["models"].pop("tinygpt")
+    assert "errors" not in lengths, lengths.get("errors")
+    # the per-length model at a length it did not search: exactly the real search's answer on CPU
+    assert lengths["lengths"]["model_answer"] == lengths["lengths"]["real_answer"] >= 1
     for name, seen in checks.items():
         assert seen == ["plan allocated"] * 3 + ["plan fsdp", "finder vs truth", "samples/s", "OOM recovery",
                                                  "noise cost", "throughput choice", "balanced split"], name
@@ -463,3 +468,21 @@ def test_noise_benchmark_recovers_the_uncorrected_estimate_exactly():
         out[fpc] = ([float(r.noise.grad_sq) for r in rs], [float(r.noise.trace) for r in rs])
     g, t = nb.without_correction(*out[True], data.n)
     assert g == pytest.approx(out[False][0], rel=1e-6) and t == pytest.approx(out[False][1], rel=1e-6)
+
+
+def test_lengths_quick_prints_the_three_arms(tmp_path):
+    """benchmarks/lengths.py --quick: no OOM after step 1, exact parameters, the model's memory used (speed not asserted)."""
+    out = tmp_path / "lengths.json"
+    proc = run_script("lengths.py", "--quick", "--json", str(out), timeout=600)
+    for col in ("OOMs after step 1", "tokens/micro-batch", "allowed", "samples/s ratio", "replay ratio", "exact"):
+        assert col in proc.stdout
+    doc = json.loads(out.read_text())
+    arms = {a["arm"]: a for a in doc["arms"]}
+    assert list(arms) == ["fixed", "by length", "by length + split"]
+    for a in arms.values():
+        assert a["ooms_after_first"] == 0 and a["exact"] and a["steps"] == 24
+        assert a["max_peak"] <= doc["plan"]["limit_bytes"]
+    # sized by length, short batches take fewer, fuller micro-batches than the worst-case size
+    assert arms["by length"]["micro_batches"] < arms["fixed"]["micro_batches"]
+    assert arms["by length"]["use"] >= 0.8 > arms["fixed"]["use"]
+    assert arms["by length + split"]["mean_tokens"] < arms["by length"]["mean_tokens"]  # trimmed padding

@@ -13,6 +13,9 @@ from typing import Any
 from .batching import BatchConfig, rescale_lr, rescale_weight_decay, scale_lr
 from .data import ElasticBatchSampler, ElasticLoader
 from .engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from .engine_lengths import LengthConfig
+from .find_lengths import LengthPlan
+from .lengths import LengthBudget, LengthFit, UnverifiedLengthError
 from .noise import NoiseConfig, NoiseSample
 from .schedule import AdaptiveSchedule, ConstantSchedule, RampSchedule, parse_schedule
 from .find import BatchPlan, BatchSizeError, NothingFitsError, find_batch_size, find_batch_size_for
@@ -50,6 +53,8 @@ __all__ = [
     "ElasticBatchSampler", "ElasticLoader",
     # engine
     "Engine", "EngineConfig", "StepResult", "BatchDoesNotFitError",
+    # sequence length: memory over (batch, length)
+    "LengthConfig", "LengthPlan", "LengthFit", "LengthBudget", "UnverifiedLengthError",
     # statistical efficiency: the gradient noise scale and global-batch schedules
     "NoiseConfig", "NoiseSample", "ConstantSchedule", "RampSchedule", "AdaptiveSchedule", "parse_schedule",
     # lazily imported

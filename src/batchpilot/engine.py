@@ -24,6 +24,7 @@ from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from ._checks import positive_int as _positive_int
 from .compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from .coordinator import Coordinator, LocalCoordinator
+from .engine_lengths import LengthConfig, LengthSizer, make_sizer
 from .find import BatchPlan, find_batch_size
 from .gauge import Gauge, gauge_for
 from .host import trim_host_memory
@@ -149,6 +150,10 @@ class StepResult:
         noise: the gradient noise measurement of this step (:class:`batchpilot.noise.NoiseSample`),
             or ``None`` when nothing was measured (noise off, one micro-batch on one rank, a
             skipped step).
+        length: with ``lengths=``, the batch's padded sequence length; else ``None``.
+        micro_batch_sizes: the samples in each micro-batch of the attempt that succeeded.
+        micro_batch_lengths: with ``lengths=``, each micro-batch's padded length (its own longest
+            sample under length-aware splitting, else the batch's); else empty.
     """
 
     loss_tensor: torch.Tensor
@@ -170,6 +175,9 @@ class StepResult:
     global_batch_size: int = 0
     next_global_batch_size: int = 0
     noise: NoiseSample | None = None
+    length: int | None = None
+    micro_batch_sizes: tuple[int, ...] = ()
+    micro_batch_lengths: tuple[int, ...] = ()
 
     @property
     def loss(self) -> float:
@@ -232,6 +240,11 @@ class Engine:
             schedule's batch from the first step, rescaling the LR (and the scheduler's base LRs)
             by the schedule's rule at every change. Give each step :attr:`per_rank_batch_size`
             samples: ``loader.set_batch_size(engine.per_rank_batch_size)`` after each step.
+        lengths: size each step by its padded sequence length
+            (:class:`~batchpilot.engine_lengths.LengthConfig`; ``True`` for its defaults): the
+            micro-batch comes from the memory model over (batch, length) before the step runs,
+            and a length beyond the longest verified one is verified by a real search first.
+            On by default when ``start`` is a :class:`~batchpilot.find_lengths.LengthPlan`.
 
     Attributes:
         global_batch_size: samples per optimizer step over all ranks (read-only; a schedule or
@@ -249,7 +262,8 @@ class Engine:
             micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
             ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
             schedule that follows the noise scale with ``noise=False`` (or a coordinator of
-            several ranks that cannot sum it).
+            several ranks that cannot sum it), ``lengths`` with a fixed micro-batch, an int
+            ``start``, or several ranks.
         TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type.
     """
 
@@ -273,6 +287,7 @@ class Engine:
         split_fn: SplitFn | None = None,
         noise: bool | NoiseConfig = True,
         schedule: BatchSchedule | str | None = None,
+        lengths: LengthConfig | bool | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
         self._fsdp = _is_fsdp(model)
@@ -372,6 +387,8 @@ class Engine:
         if schedule is not None:
             first = schedule.initial(self._global, self._world)
             self._apply_schedule_change(first)
+        #: sizes each step by its sequence length (batchpilot.engine_lengths), or None
+        self.lengths: LengthSizer | None = make_sizer(self, lengths, self.plan)
         if self._ddp and self._world == 1 and _dist_world_size() > 1:
             logger.warning(
                 "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
@@ -394,6 +411,9 @@ class Engine:
                 larger than :attr:`per_rank_batch_size`, or ``loss_fn`` returned something
                 other than a 0-dim tensor or a ``(sum, count)`` pair.
             BatchDoesNotFitError: a micro-batch of 1 runs out of memory.
+            batchpilot.lengths.UnverifiedLengthError: with ``lengths=LengthConfig(beyond="error")``,
+                a batch longer than the longest verified length. The batch's length cannot be
+                read (a declared ``seq_dim`` it lacks, no ``attention_mask``) → ``ValueError``.
             torch.OutOfMemoryError: an OOM with a fixed ``micro_batch_size`` (on every rank when
                 any rank ran out), after the partial gradients were dropped. An OOM in the
                 optimizer step itself (e.g. Adam creating its state) is not retried either: a
@@ -410,7 +430,9 @@ class Engine:
         agree_batch = getattr(self.coordinator, "agree_batch", None)
         if agree_batch is not None:
             agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
-        if self.micro_batch_size is None:
+        if self.lengths is not None:
+            self.lengths.size_step(split)  # before running: from the memory model at this length
+        elif self.micro_batch_size is None:
             self._initialise(split)
         measured = True  # every device has a real figure now (see StepResult.memory)
         probe = self._probe = self._step_gauge()
@@ -493,6 +515,9 @@ class Engine:
             global_batch_size=this_global,
             next_global_batch_size=self._global,
             noise=noise,
+            length=None if self.lengths is None else self.lengths.length,
+            micro_batch_sizes=tuple(acc.sizes),
+            micro_batch_lengths=() if self.lengths is None else tuple(self.lengths.widths),
         )
 
     @property
@@ -817,6 +842,21 @@ class Engine:
         """The finder's micro-batch, probed on the first batch's samples; all state put back.
 
         Raises:
+            batchpilot.find.NothingFitsError: as :meth:`_search`.
+        """
+        plan = self._search(split)
+        self.plan = plan
+        self._adopt_fit(plan)
+        return max(1, int(plan.batch_size))
+
+    def _search(self, split: BatchSplitter, *, accumulating: bool = False, **overrides: Any) -> BatchPlan:
+        """A finder search on ``split``'s samples (``overrides``: finder options); all state put back.
+
+        ``accumulating``: a trial below the per-rank batch runs two micro-batches, so its peak
+        holds the gradients a later micro-batch runs beside (sizing by length reuses the answer
+        for every micro-batch of a step).
+
+        Raises:
             batchpilot.find.NothingFitsError: not even the smallest batch fits (with several
                 ranks: on any rank; then it is raised on every rank, naming that rank).
         """
@@ -842,6 +882,7 @@ class Engine:
         if self.config.capacity is not None:
             options.setdefault("capacity", self.config.capacity)
         options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
+        options.update(overrides)
         fsdp_finder = getattr(self.coordinator, "find_batch_size", None)
         if fsdp_finder is not None:
             # FSDP: trials in lockstep on every rank (their forward runs collectives). A micro-batch
@@ -865,11 +906,12 @@ class Engine:
             if hasattr(self.coordinator, "limited_by_rank"):
                 # the agreement below sees equal proposals now; the finder knows who limited them
                 self.coordinator.limited_by_rank = plan.limited_by_rank
+        elif accumulating:
+            plan = find_batch_size(lambda b: trial(b, 2 if b < self._per_rank else 1),
+                                   restore=(inner, self.optimizer), **options)
         else:
             plan = find_batch_size(trial, restore=(inner, self.optimizer), **options)
-        self.plan = plan
-        self._adopt_fit(plan)
-        return max(1, int(plan.batch_size))
+        return plan
 
     def _adopt_fit(self, plan: BatchPlan) -> None:
         """Use the finder's memory line as the prior until the engine has measured two sizes."""
@@ -890,6 +932,7 @@ class Engine:
         ``sync=False`` keeps FSDP from reduce-scattering after the last micro-batch too.
         """
         meter = self.noise_meter if model is None else None  # the finder's trials measure nothing
+        own = model is None
         if model is None:
             model = self.model
         ddp = self._ddp and model is self.model
@@ -897,7 +940,10 @@ class Engine:
         # "auto": balanced micro-batches (10 at 4 is 4 + 3 + 3, the same passes and peak as
         # 4 + 4 + 2, no ragged tail); a fixed micro-batch is cut as the user's own loop would
         sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
-        if self._compiled:
+        widths = None
+        if self.lengths is not None and own:  # the engine's own step, not a finder trial
+            sizes, widths = self.lengths.cut(split, micro, sizes)
+        elif self._compiled:
             sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
         last = len(sizes) - 1
         scaler = self.scaler if use_scaler else None
@@ -909,7 +955,8 @@ class Engine:
         mode = None
         start = 0
         for i, size in enumerate(sizes):
-            mb = split.slice(start, size, self.device)
+            # length-aware: the micro-batch's samples, trimmed to their longest
+            mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
             start += size
             if self._compiled:
                 mark_batch_dynamic(mb, self.layout)
@@ -1100,6 +1147,8 @@ class Engine:
 
     def _shrink_after_oom(self, micro: int, measured: bool, message: str) -> None:
         policy = self.policy
+        if self.lengths is not None:
+            self.lengths.on_oom(self._capacity())
         # after the OOM the gradients are dropped: what is in use now is what the retry starts with
         new = policy.on_oom(self._max_fitting(measured, self._probe.current()))
         if new is None:
@@ -1152,6 +1201,8 @@ class Engine:
         """Feed the attempt's outcome to the policy (its next micro-batch, not agreed yet). True on pressure."""
         policy = self.policy
         pressure = False
+        if self.lengths is not None:  # the next step is sized by its own length: no growth here
+            return self.lengths.observe(peak, self._capacity()) if measured else False
         if measured and self.config.adapt:
             capacity = self._capacity()
             self.fit.observe(micro, peak, start_bytes)

@@ -820,6 +820,8 @@ def find_batch_size_for(
     search: Callable[..., BatchPlan] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
     amp_dtype: torch.dtype | None = None,
+    lengths: Iterable[int] | None = None,
+    seq_dim: int | None = 1,
     **options: Any,
 ) -> BatchPlan:
     """Find the batch size for a model without writing the step.
@@ -859,6 +861,14 @@ def find_batch_size_for(
             :func:`batchpilot.distributed.find_batch_size_distributed` to agree across ranks.
         forward: deprecated: pass the same function as ``loss_fn``.
         amp_dtype: deprecated spelling of ``amp``.
+        lengths: sequence lengths to answer for (padded LM batches): a real search runs at two
+            or three of them (those within 8× of the longest: see
+            :func:`batchpilot.find_lengths.choose_fit_lengths`) on
+            the example batch trimmed to each on ``seq_dim`` (or ``batch(batch_size, length)`` when
+            ``batch`` is a function), and their memory lines fit ``peak ≈ F(L) + b·P(L)``
+            (:mod:`batchpilot.lengths`). Returns a :class:`batchpilot.find_lengths.LengthPlan`:
+            the search at the longest length, with ``per_length`` answering every length.
+        seq_dim: the dimension of the example batch that holds the tokens (with ``lengths``).
         **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
 
     Raises:
@@ -871,6 +881,15 @@ def find_batch_size_for(
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if lengths is not None:  # one search per fitted length, each through this function
+        from .find_lengths import find_per_length
+
+        return find_per_length(
+            find_batch_size_for, model, batch, lengths=lengths, seq_dim=seq_dim, optimizer=optimizer,
+            loss_fn=loss_fn, mode=mode, amp=amp, scaler=scaler, restore=restore, plan_first=plan_first,
+            shared=shared, split_fn=split_fn, objective=objective, search=search, forward=forward,
+            amp_dtype=amp_dtype, **options,
+        )
     if _sharded_over_ranks(model):
         raise ValueError(
             "the model is sharded with fully_shard over several ranks: an OOM in one rank's trial would "

@@ -95,7 +95,8 @@ def test_plan_record_accepts_the_dict_form_and_a_missing_fit():
 def test_find_schema_is_the_job_plus_the_plan():
     assert report.SCHEMAS["train.plan"] < report.SCHEMAS["find"]
     assert report.SCHEMAS["find"] - report.SCHEMAS["train.plan"] == {
-        "schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp", "device"}
+        "schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp", "device",
+        "per_length", "length_fit", "fitted_lengths"}  # --seq-lens: the answer per length (null without)
 
 
 def test_train_config_schema_matches_the_dataclass():

@@ -43,6 +43,13 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
                                 step_seconds|null (fastest timed step, fits only),
                                 samples_per_second|null, alloc_retries|null (CUDA)}]
     num_trials, num_ooms, seconds
+    per_length                with --seq-lens: [{length, batch_size}], the largest batch at each
+                              length (the search's keys above are at the longest) | null
+    length_fit                with --seq-lens: the memory model peak = F(L) + b x P(L),
+                              {fixed [f0, f1, f2], per_sample [p0, p1, p2] (bytes, powers of L),
+                              lengths (fitted on), bytes_per_token (p1),
+                              bytes_per_token_squared (p2: unfused attention)} | null
+    fitted_lengths            with --seq-lens: the lengths searched | null
 
 ``plan`` (``batchpilot plan --json``)::
 
@@ -61,6 +68,8 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     next_required_bytes       at batch_size + 1 (over the limit), or null
     evaluations               [{batch_size, required_bytes}], every size tried
     seconds
+    per_length, length_fit, fitted_lengths   as for ``find`` (with --seq-lens the other keys
+                              are the plan at the longest length)
 
 ``train`` (``run.json``, and ``batchpilot train --json``)::
 
@@ -80,7 +89,12 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
                                 global_batch_size, lr (this step's),
                                 noise_scale (B_simple in samples, EMA) | null,
                                 noise {grad_sq, trace, grad_sq_ema, trace_ema, small_batch,
-                                       small_count, big_batch} | null}]
+                                       small_count, big_batch} | null,
+                                length (the batch's padded sequence length, when the engine
+                                  sizes by length) | null,
+                                micro_batch_sizes [int] (samples per micro-batch),
+                                micro_batch_lengths [int] (each one's padded length; empty when
+                                  the engine does not size by length)}]
     micro_batch_changes       [{step, from, to, reason}]
     schedule                  {spec, lr_rule, scale_weight_decay}
     batch_changes             [{step, from, to}]: the global batch after ``step`` differs
@@ -105,6 +119,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "SCHEMAS",
     "FIGURE_SIZE_PX",
+    "length_record",
+    "lengths_table",
     "plan_record",
     "to_json",
     "write_json",
@@ -137,11 +153,13 @@ _PLAN_KEYS = frozenset({
     "objective", "speed_tolerance", "largest_fitting", "reason", "samples_per_second", "time_fit",
 })
 _JOB_KEYS = frozenset({"schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp"})
+#: ``--seq-lens``: the answer per length (null without it)
+_LENGTH_KEYS = frozenset({"per_length", "length_fit", "fitted_lengths"})
 
 #: The exact keys of each JSON document (and of its nested records).
 SCHEMAS: dict[str, frozenset[str]] = {
-    "find": _JOB_KEYS | _PLAN_KEYS | {"device"},
-    "plan": _JOB_KEYS | {
+    "find": _JOB_KEYS | _PLAN_KEYS | _LENGTH_KEYS | {"device"},
+    "plan": _JOB_KEYS | _LENGTH_KEYS | {
         "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "estimate",
         "next_required_bytes", "evaluations", "seconds", "world_size", "sharding",
     },
@@ -151,6 +169,8 @@ SCHEMAS: dict[str, frozenset[str]] = {
         "required_bytes",
     }),
     "plan.evaluation": frozenset({"batch_size", "required_bytes"}),
+    "per_length": frozenset({"length", "batch_size"}),
+    "length_fit": frozenset({"fixed", "per_sample", "lengths", "bytes_per_token", "bytes_per_token_squared"}),
     "train": frozenset({
         "schema_version", "command", "config", "dataset", "device", "plan", "lr", "steps",
         "micro_batch_changes", "accuracy", "samples_seen", "optimizer_steps", "total_ooms", "seconds", "split",
@@ -168,6 +188,7 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "step": frozenset({
         "step", "epoch", "loss", "micro_batch_size", "accum_steps", "ooms", "peak_bytes",
         "capacity_bytes", "seconds", "micro_batch_reason", "global_batch_size", "lr", "noise_scale", "noise",
+        "length", "micro_batch_sizes", "micro_batch_lengths",
     }),
     "noise": frozenset({"grad_sq", "trace", "grad_sq_ema", "trace_ema", "small_batch", "small_count", "big_batch"}),
     "schedule": frozenset({"spec", "lr_rule", "scale_weight_decay"}),
@@ -230,6 +251,29 @@ def write_json(doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
 
 def _int_or_none(v: Any) -> int | None:
     return None if v is None else int(v)
+
+
+def length_record(lengths: Any) -> dict[str, Any]:
+    """The ``per_length`` / ``length_fit`` / ``fitted_lengths`` keys of a ``find`` or ``plan`` document.
+
+    ``lengths`` is a :class:`~batchpilot.find_lengths.LengthPlan`, a
+    :class:`~batchpilot.plan_lengths.LengthPlanResult`, or ``None`` (all three ``null``).
+    """
+    if lengths is None:
+        return {"per_length": None, "length_fit": None, "fitted_lengths": None}
+    d = lengths.to_dict()
+    return {k: d[k] for k in ("per_length", "length_fit", "fitted_lengths")}
+
+
+def lengths_table(doc: Mapping[str, Any]) -> str:
+    """The per-length table of a ``find`` / ``plan`` document: length, batch, tokens per batch."""
+    fit = doc["length_fit"]
+    head = (f"memory over (batch, length): peak = F(L) + b x P(L), {format_bytes(fit['bytes_per_token'])}/token, "
+            f"{fit['bytes_per_token_squared']:.1f} B per b x L^2; fitted at {', '.join(map(str, doc['fitted_lengths']))}")
+    rows = [(r["length"], r["batch_size"], r["length"] * r["batch_size"],
+             "searched" if r["length"] in doc["fitted_lengths"] else "model")
+            for r in doc["per_length"]]
+    return head + "\n" + format_table(("length", "batch", "tokens", "from"), rows)
 
 
 def plan_record(plan: Any) -> dict[str, Any]:

@@ -400,6 +400,9 @@ def _step_record(step: int, epoch: int, res: StepResult, capacity: int | None, l
         "lr": lr,
         "noise_scale": res.noise_scale,
         "noise": None if res.noise is None else res.noise.to_dict(),
+        "length": res.length,
+        "micro_batch_sizes": list(res.micro_batch_sizes),
+        "micro_batch_lengths": list(res.micro_batch_lengths),
     }
 
 

@@ -15,8 +15,8 @@ from ...search import STRATEGIES
 from ...speed import OBJECTIVES, SPEED_TOLERANCE
 from .. import report
 from .common import (
-    UsageError, add_fit_options, add_model_options, add_verbose, byte_size, device_or_fail, non_negative_int,
-    positive_int, speed_fraction,
+    UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, device_or_fail,
+    non_negative_int, positive_int, speed_fraction,
 )
 from .workload import Workload
 
@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "device's real memory; on CPU, with --max-batch-size, the process's resident memory "
                         "against its container limit, RLIMIT_AS or free RAM, whichever is tightest)")
     add_fit_options(p)
+    add_length_options(p)
     s = p.add_argument_group("search")
     s.add_argument("--strategy", choices=tuple(STRATEGIES), default="predict",
                    help="predict: fit memory = fixed + per-sample x batch from small trials and verify the answer "
@@ -92,6 +93,7 @@ def find_document(workload: Workload, plan: Any, device: torch.device) -> dict[s
         **workload.describe(),
         "device": str(device),
         **report.plan_record(plan),
+        **report.length_record(plan if getattr(plan, "length_plans", None) else None),
     }
 
 
@@ -119,6 +121,8 @@ def _human(doc: dict[str, Any]) -> str:
         lines.append(f"time fit: {report.format_seconds(tf['fixed_seconds'])} + "
                      f"{report.format_seconds(tf['seconds_per_sample'])} per sample per step "
                      f"(saturates at {_saturation(tf)} samples/s)")
+    if doc["per_length"] is not None:
+        lines += ["", report.lengths_table(doc), "", f"at the longest length, {doc['input_shape'][0]}:"]
     largest = doc["largest_fitting"]
     stop = _STOPS.get(doc["stop_reason"], doc["stop_reason"])
     memory = (f"limit {format_bytes(doc['limit_bytes'])} = {doc['target']:.0%} of "
@@ -168,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--plan-first seeds the predict strategy; drop --strategy or --plan-first")
     if args.objective == "throughput" and args.timed_steps == 0:
         raise UsageError("--objective throughput compares timed steps; drop --timed-steps 0")
+    if args.seq_lens is not None:
+        if args.objective == "throughput":
+            raise UsageError("--seq-lens answers the largest batch per length; drop --objective throughput")
+        workload = workload.at_lengths(args.seq_lens)
     backend = _compile_backend(args.compile)
     torch.manual_seed(args.seed)
     model = workload.build_model().to(device)
@@ -179,8 +187,14 @@ def run(args: argparse.Namespace) -> int:
     with report.logging_through_progress(not args.no_progress):
         # a fresh host batch per step (only its inputs are live, as when a loader feeds the
         # device); the finder moves it to the device, the planner (--plan-first) makes it fake
+        if args.seq_lens is None:
+            batch: Any = lambda b: workload.make_batch(b, generator=generator)  # noqa: E731
+            lengths: dict[str, Any] = {}
+        else:
+            batch = lambda b, L: workload.batch_at(b, L, generator=generator)  # noqa: E731
+            lengths = {"lengths": args.seq_lens}
         plan = find_batch_size_for(
-            model, lambda b: workload.make_batch(b, generator=generator), optimizer=optimizer,
+            model, batch, optimizer=optimizer, **lengths,
             loss_fn=nn.CrossEntropyLoss(), amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
             capacity=args.capacity, strategy=args.strategy, min_batch_size=args.min_batch_size,
             max_batch_size=args.max_batch_size, steps_per_trial=args.steps_per_trial,

@@ -9,10 +9,13 @@ from typing import Any
 from ...gpus import GPUS, gpu_spec
 from ...memory import format_bytes
 from ...plan import PlanningError, PlanResult, plan_batch_size
+from ...plan_lengths import LengthPlanResult, plan_per_length
 from ...search import NothingFitsError
 from .. import report
 from ..trainjob import make_optimizer
-from .common import UsageError, add_fit_options, add_model_options, add_verbose, byte_size, positive_int
+from .common import (
+    UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, positive_int,
+)
 from .workload import Workload
 
 __all__ = ["add_parser", "run", "plan_document"]
@@ -44,6 +47,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="whose memory accounting to model: cpu (exact tensor bytes) or cuda (allocator rounding, "
                         "workspaces, context). Default: cuda with --gpu, else cpu")
     add_fit_options(p)
+    add_length_options(p)
     shard = p.add_argument_group("sharding")
     shard.add_argument("--fsdp", action="store_true",
                        help="shard the model with FSDP2 (fully_shard each block, then the root) and plan one rank")
@@ -57,10 +61,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def plan_document(workload: Workload, result: PlanResult) -> dict[str, Any]:
-    """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`)."""
+def plan_document(workload: Workload, result: PlanResult, lengths: LengthPlanResult | None = None) -> dict[str, Any]:
+    """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`); with ``lengths``, at the longest."""
     est = result.estimate
     return {
+        **report.length_record(lengths),
         "schema_version": report.SCHEMA_VERSION,
         "command": "plan",
         **workload.describe(),
@@ -107,6 +112,9 @@ def _human(doc: dict[str, Any]) -> str:
                      ("required (reserved + context)", format_bytes(est["required_bytes"]))]
         lines.append(report.format_table(("part", "memory"), rows))
     per = f" per rank, {doc['batch_size'] * doc['world_size']} over {doc['world_size']} ranks" if sharded else ""
+    if doc["per_length"] is not None:
+        lines += ["", report.lengths_table(doc)]
+        per += f" at the longest length, {doc['input_shape'][0]}"
     lines += [
         "",
         f"batch size: {doc['batch_size']}{per}  (limit {format_bytes(doc['limit_bytes'])} = "
@@ -128,19 +136,27 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size > 1 and not args.fsdp:
         raise UsageError(f"--world-size {args.world_size} needs --fsdp: a data-parallel (DDP) rank holds the whole "
                          "model, so its plan is the one without --world-size")
+    if args.seq_lens is not None:
+        workload = workload.at_lengths(args.seq_lens)
     model = workload.build_model()
     workload.check(model)
     optimizer_name = workload.optimizer
+    options = dict(
+        capacity=args.gpu or args.capacity, target=args.target,
+        optimizer=lambda params: make_optimizer(optimizer_name, params, lr=1e-3), steps=args.steps,
+        amp=workload.amp, device=args.device, max_batch_size=args.max_batch_size or 1 << 20,
+        world_size=args.world_size or 1, sharding="fsdp2" if args.fsdp else None,
+    )
+    lengths = None
     try:
-        result = plan_batch_size(
-            model, lambda b: workload.make_batch(b), capacity=args.gpu or args.capacity, target=args.target,
-            optimizer=lambda params: make_optimizer(optimizer_name, params, lr=1e-3), steps=args.steps,
-            amp=workload.amp, device=args.device, max_batch_size=args.max_batch_size or 1 << 20,
-            world_size=args.world_size or 1, sharding="fsdp2" if args.fsdp else None,
-        )
+        if args.seq_lens is None:
+            result = plan_batch_size(model, lambda b: workload.make_batch(b), **options)
+        else:
+            lengths = plan_per_length(model, lambda b, L: workload.batch_at(b, L), lengths=args.seq_lens, **options)
+            result = lengths.longest
     except PlanningError as exc:
         raise UsageError(f"cannot plan this model on fake tensors: {exc}") from None
-    doc = plan_document(workload, result)
+    doc = plan_document(workload, result, lengths)
     if result.batch_size == 0:
         need = result.evaluations.get(1)
         raise NothingFitsError(

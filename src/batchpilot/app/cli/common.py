@@ -104,6 +104,32 @@ def shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def seq_lens(text: str) -> tuple[int, ...]:
+    """argparse type: two or more sequence lengths such as ``128,512,2048``."""
+    parts = [p for p in text.split(",") if p.strip()]
+    try:
+        values = sorted({int(p) for p in parts})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths like 128,512,2048, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every length must be at least 1, got {text!r}")
+    if len(values) < 2:
+        raise argparse.ArgumentTypeError(
+            f"give two or more distinct lengths (e.g. 128,512), got {text!r}: one length cannot separate the "
+            "per-token cost from the attention's L^2 cost")
+    return tuple(values)
+
+
+def add_length_options(parser: argparse.ArgumentParser) -> None:
+    """``--seq-lens`` (find and plan): answer per sequence length, from searches at two or three of them."""
+    parser.add_argument(
+        "--seq-lens", metavar="L1,L2,...", type=seq_lens, default=None,
+        help="answer the largest batch at each of these sequence lengths (a table), from searches at two or three "
+             "of them and a memory model peak = F(L) + b x P(L) over (batch, length). The model's inputs must "
+             "have the sequence first (the transformer, or --model with --input-shape LENGTH,...); each length "
+             "replaces the first dim of --input-shape")
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--input-shape``, ``--num-classes``, ``--optimizer``, ``--amp`` (find and plan)."""
     g = parser.add_argument_group("model")

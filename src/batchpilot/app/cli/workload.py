@@ -12,6 +12,7 @@ cross-entropy.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -162,6 +163,24 @@ class Workload:
             x = torch.randn(batch_size, *self.input_shape, generator=generator)
         y = torch.randint(0, self.num_classes, (batch_size,), generator=generator)
         return x.to(device), y.to(device)
+
+    def at_lengths(self, lengths: tuple[int, ...]) -> Workload:
+        """This workload with its sequence (the first input dim) at the longest of ``lengths``.
+
+        Raises:
+            UsageError: the built-in MLP or CNN, whose inputs have no sequence.
+        """
+        if self.model_spec in ("mlp", "cnn"):
+            raise UsageError(f"--seq-lens needs a model whose inputs are sequences: --model transformer, or your own "
+                             f"--model with --input-shape LENGTH,...; the built-in {self.model_spec} has none")
+        assert self.input_shape is not None
+        return dataclasses.replace(self, input_shape=(max(lengths), *self.input_shape[1:]))
+
+    def batch_at(self, batch_size: int, length: int, *, generator: torch.Generator | None = None) -> Any:
+        """A random batch of ``batch_size`` samples whose sequences are ``length`` long."""
+        assert self.input_shape is not None
+        return dataclasses.replace(self, input_shape=(length, *self.input_shape[1:])).make_batch(
+            batch_size, generator=generator)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer; its learning rate does not change the memory, so a fixed one is used."""

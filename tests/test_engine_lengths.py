@@ -1,0 +1,147 @@
+"""The engine sized by sequence length (batchpilot.engine_lengths): no OOM on long batches, exact updates."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from batchpilot import Engine, EngineConfig
+from batchpilot.engine_lengths import LengthConfig
+from batchpilot.lengths import UnverifiedLengthError
+from batchpilot.memory import emulate_capacity
+from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
+
+CAP = "1MiB"
+N = 16
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=64, dim=16, heads=2, layers=1, max_len=64)
+
+
+def _batches(widths: list[int], seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for w in widths:
+        lens = torch.randint(1, w + 1, (N,), generator=g).tolist()
+        lens[3] = w  # the batch is padded to its longest sample, as a collate function does
+        out.append(padded_lm_batch(lens, vocab=64, generator=g))
+    return out
+
+
+def _reference(model: TinyGPT, batches: list) -> TinyGPT:
+    """The full-batch computation: one forward over the whole padded batch per step."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        total, count = lm_loss(model, batch)
+        (total / count).backward()
+        opt.step()
+    return model
+
+
+def _train(model: TinyGPT, batches: list, lengths: LengthConfig, **kwargs) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = Engine(model, opt, lm_loss, global_batch_size=N, lengths=lengths,
+                    config=EngineConfig(capacity=CAP), **kwargs)
+    with emulate_capacity(CAP):
+        results = [engine.step(b) for b in batches]
+    return engine, results
+
+
+def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_alternating_short_and_long_batches_never_run_out_of_memory() -> None:
+    model = _model()
+    widths = [32, 8, 64, 8, 64, 16, 48]  # 64 is beyond the first fit (32, 16, 8): verified on step 3
+    batches = _batches(widths)
+    expected = _reference(model, batches)
+    engine, results = _train(model, batches, LengthConfig())
+    assert [r.length for r in results] == widths
+    assert [r.ooms for r in results] == [0] * len(widths)
+    assert engine.lengths.verifications == 1 and engine.lengths.budget.verified_max == 64
+    micro = {r.length: r.micro_batch_size for r in results}
+    assert micro[8] == N > micro[32] > micro[64] >= 1  # the short batch uses the memory the long one cannot
+    budget = engine.lengths.budget
+    for r in results:  # every micro-batch within the model's budget at its length, under the limit
+        assert max(r.micro_batch_sizes) <= budget.micro_batch(r.length)
+        assert r.peak_bytes <= budget.limit_bytes
+    _assert_same_params(model, expected)
+
+
+def test_a_length_beyond_the_verified_maximum_is_refused_with_beyond_error() -> None:
+    model = _model()
+    batches = _batches([32, 64])
+    with pytest.raises(UnverifiedLengthError, match="beyond the longest verified length 32"):
+        _train(model, batches, LengthConfig(beyond="error"))
+
+
+def test_length_aware_split_trims_each_micro_batch_and_is_exact() -> None:
+    model = _model()
+    batches = _batches([64, 64, 40], seed=3)
+    expected = _reference(model, batches)
+    engine, results = _train(model, batches, LengthConfig(split=True))
+    assert [r.ooms for r in results] == [0, 0, 0]
+    first = results[1]
+    assert sum(first.micro_batch_sizes) == N
+    assert first.micro_batch_lengths[0] == 64 and min(first.micro_batch_lengths) < 64  # trimmed
+    assert list(first.micro_batch_lengths) == sorted(first.micro_batch_lengths, reverse=True)
+    budget = engine.lengths.budget
+    assert all(r.peak_bytes <= budget.limit_bytes for r in results)
+    assert all(b <= budget.micro_batch(w) for b, w in zip(first.micro_batch_sizes, first.micro_batch_lengths))
+    # fewer passes than splitting the padded batch evenly at its own length
+    assert len(first.micro_batch_sizes) < -(-N // budget.micro_batch(64))
+    _assert_same_params(model, expected)
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(seq_dim=2), "seq_dim=2 is missing from the batch"),
+    (dict(length_fn=lambda batch: 0), "positive int"),
+])
+def test_bad_lengths_at_step_time(config, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _train(_model(), _batches([16]), LengthConfig(**config))
+
+
+def test_bad_configuration_fails_at_construction() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="seq_dim must be >= 1"):
+        LengthConfig(seq_dim=0)
+    with pytest.raises(ValueError, match="beyond must be"):
+        LengthConfig(beyond="trust")
+    with pytest.raises(ValueError, match='needs micro_batch_size="auto"'):
+        Engine(model, opt, lm_loss, global_batch_size=N, micro_batch_size=4, lengths=True)
+    with pytest.raises(ValueError, match="must be the LengthPlan"):
+        Engine(model, opt, lm_loss, global_batch_size=N, start=4, lengths=True)
+    with pytest.raises(ValueError, match="attention_mask"):
+        _train(model, [(torch.zeros(N, 8, dtype=torch.long), torch.zeros(N, dtype=torch.long))],
+               LengthConfig(), )
+
+
+def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = Engine(model, opt, lm_loss, global_batch_size=N, lengths=LengthConfig(),
+                    config=EngineConfig(capacity=CAP))
+    with emulate_capacity(CAP):
+        engine.step(_batches([64])[0])  # fits the model at 64, 32 and 16
+        budget = engine.lengths.budget
+        honest = budget.micro_batch(48)
+        fit = budget.fit
+        budget.fit = dataclasses.replace(fit, per_sample=tuple(p / 3 for p in fit.per_sample))  # a model 3x too small
+        first = engine.step(_batches([48], seed=5)[0])
+        assert first.micro_batch_size > honest and (first.ooms >= 1 or first.peak_bytes > 0.8 * (1 << 20))
+        # an OOM derates the whole model; a peak over the target corrects it near that length
+        assert budget.limit_bytes < 0.8 * (1 << 20) or 48 in budget.corrections
+        later = [engine.step(b) for b in _batches([48, 48], seed=6)]
+    assert [r.ooms for r in later] == [0, 0]
+    assert all(r.peak_bytes <= 0.8 * (1 << 20) for r in later)

@@ -1,0 +1,70 @@
+"""find_batch_size_for(..., lengths=): real searches at two or three lengths, the model answers between."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpilot import find_batch_size_for
+from batchpilot.find_lengths import LengthPlan, choose_fit_lengths
+from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
+
+CAP = "1MiB"
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=16, heads=2, layers=1, max_len=64)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def test_per_length_answers_match_real_searches_at_lengths_not_searched() -> None:
+    model, opt = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    example = padded_lm_batch([64, 40, 10, 3], vocab=64, pad_to=64)
+    plan = find_batch_size_for(model, example, optimizer=opt, loss_fn=lm_loss, capacity=CAP,
+                               lengths=(16, 24, 32, 64))
+    assert isinstance(plan, LengthPlan)
+    assert sorted(plan.length_plans) == [16, 32, 64] == list(choose_fit_lengths((16, 24, 32, 64)))
+    assert plan.batch_size == plan.length_plans[64].batch_size == plan.per_length[64]
+    assert plan.length_fit.bytes_per_token_squared > 0  # unfused attention: the L² term is there
+    assert plan.per_length[16] > plan.per_length[32] > plan.per_length[64] >= 1
+    # a length the model was not fitted on: the same answer as a real search there
+    real = find_batch_size_for(model, padded_lm_batch([24] * 4, vocab=64), optimizer=opt, loss_fn=lm_loss,
+                               capacity=CAP)
+    assert plan.per_length[24] == real.batch_size
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # state put back
+    d = plan.to_dict()
+    assert d["per_length"][0] == {"length": 16, "batch_size": plan.per_length[16]}
+    assert d["fitted_lengths"] == [16, 32, 64] and d["length_fit"]["bytes_per_token"] > 0
+
+
+def test_batch_function_of_size_and_length() -> None:
+    model, opt = _setup()
+    plan = find_batch_size_for(model, lambda b, L: padded_lm_batch([L] * b, vocab=64), optimizer=opt,
+                               loss_fn=lm_loss, capacity=CAP, lengths=(16, 64))
+    assert plan.seq_dim is None and set(plan.per_length) == {16, 64}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lengths=(16, 64), seq_dim=2), "seq_dim=2 is missing from the batch"),
+    (dict(lengths=(0, 64)), "positive int"),
+    (dict(lengths=(64,)), "two or three lengths"),
+    (dict(lengths=(16, 128)), "shorter than the longest length 128"),
+])
+def test_bad_input_fails_before_any_trial(kwargs, match) -> None:
+    model, opt = _setup()
+    example = padded_lm_batch([64, 10], vocab=64, pad_to=64)
+    with pytest.raises(ValueError, match=match):
+        find_batch_size_for(model, example, optimizer=opt, loss_fn=lm_loss, capacity=CAP, **kwargs)
+
+
+def test_fit_lengths_sequences() -> None:
+    import doctest
+
+    from batchpilot import find_lengths
+
+    result = doctest.testmod(find_lengths)
+    assert result.attempted >= 2 and result.failed == 0
+    assert choose_fit_lengths((16, 32, 64, 128, 256, 384, 512)) == (64, 256, 512)  # within 8x; the tie goes long
+    assert choose_fit_lengths((16, 512)) == (16, 512)
