@@ -35,7 +35,7 @@ def test_under_rlimit_as_with_no_capacity_it_lands_at_the_boundary_in_few_trials
     out = run(model, "rlimit", "64", "1.0")
     assert out["memory"] == "resident" and out["binding"] == "rlimit_as"
     assert out["fits"], out  # the answer trains
-    assert out["more_fails"], out  # and 8% more does not: within 8% of this process's boundary
+    assert out["more_fails"], out  # and 12% more does not: within 12% of this process's boundary
     assert len(out["trials"]) <= 6 and out["ooms"] <= 1, out
 
 
