@@ -145,3 +145,92 @@ def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> Non
         later = [engine.step(b) for b in _batches([48, 48], seed=6)]
     assert [r.ooms for r in later] == [0, 0]
     assert all(r.peak_bytes <= 0.8 * (1 << 20) for r in later)
+
+
+# ---------------------------------------------------------------------- checkpoints
+# fitted at 16, 8 and 4 on the first batch, 32 verified on the third; 64 is verified after the
+# checkpoint (the refit then uses the saved memory lines)
+RESUME_WIDTHS = [16, 8, 32, 24, 32, 12, 28, 20, 32, 64, 48, 24, 64, 40]
+RESUME_AT = 9
+
+
+def _engine(model: TinyGPT) -> Engine:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # optimizer state to resume too
+    return Engine(model, opt, lm_loss, global_batch_size=N, lengths=LengthConfig(split=True),
+                  config=EngineConfig(capacity=CAP))
+
+
+def _count_searches(engine: Engine) -> list[int]:
+    """Counts the engine's finder searches (each is a run of real trials)."""
+    calls: list[int] = []
+    search = engine._search
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return search(*args, **kwargs)
+
+    engine._search = counted
+    return calls
+
+
+def _resume(path, state_edit=None) -> tuple[Engine, list[int]]:
+    ckpt = torch.load(path, weights_only=True)  # plain containers only: no pickled classes
+    if state_edit is not None:
+        state_edit(ckpt["engine"])
+    model = _model()
+    engine = _engine(model)
+    model.load_state_dict(ckpt["model"])
+    engine.optimizer.load_state_dict(ckpt["optimizer"])
+    engine.load_state_dict(ckpt["engine"])
+    return engine, _count_searches(engine)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Alternating lengths, checkpointed (by torch.save) after RESUME_AT steps and run on."""
+    batches = _batches(RESUME_WIDTHS, seed=2)
+    engine = _engine(_model())
+    searches = _count_searches(engine)
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
+    with emulate_capacity(CAP):
+        before = [engine.step(b) for b in batches[:RESUME_AT]]
+        torch.save({"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                    "engine": engine.state_dict()}, path)
+    saved_budget = copy.deepcopy(engine.lengths.budget)
+    searches_before = len(searches)
+    # the rest on a new emulated device, as the resumed run gets: the CPU tracker counts tensors made
+    # inside its block whole and older ones as they are read, which moves a later search's fixed bytes
+    with emulate_capacity(CAP):
+        after = [engine.step(b) for b in batches[RESUME_AT:]]
+    assert searches_before == 4 and len(searches) == 5  # fit at 16, 8, 4; 32 verified; then 64
+    assert [r.ooms for r in before + after] == [0] * len(batches)
+    assert saved_budget.corrections  # a step over the target taught it something to keep
+    return dict(engine=engine, after=after, path=path, batches=batches, budget=saved_budget)
+
+
+def test_a_resumed_engine_sizes_by_length_as_the_uninterrupted_one(uninterrupted) -> None:
+    engine, searches = _resume(uninterrupted["path"])
+    assert engine.lengths.budget == uninterrupted["budget"]  # fit, limit, verified answers, corrections
+    with emulate_capacity(CAP):
+        after = [engine.step(b) for b in uninterrupted["batches"][RESUME_AT:]]
+    # 32 (and 24, 20, 16, ...) were verified before the checkpoint: the one search is 64's, as uninterrupted
+    assert len(searches) == 1 and engine.lengths.verifications == 2
+    assert [r.micro_batch_sizes for r in after] == [r.micro_batch_sizes for r in uninterrupted["after"]]
+    assert [r.micro_batch_lengths for r in after] == [r.micro_batch_lengths for r in uninterrupted["after"]]
+    assert [r.ooms for r in after] == [0] * len(after)
+    assert engine.lengths.budget == uninterrupted["engine"].lengths.budget
+    _assert_same_params(engine.model, uninterrupted["engine"].model)
+
+
+def test_a_state_saved_without_the_sizer_still_loads_and_fits_again(uninterrupted) -> None:
+    engine, searches = _resume(uninterrupted["path"], lambda state: state.pop("lengths"))
+    assert engine.steps == RESUME_AT and engine.lengths.budget is None
+    with emulate_capacity(CAP):
+        result = engine.step(_batches([8], seed=4)[0])
+    assert len(searches) == 3 and result.ooms == 0  # fitted again on its first batch (8, 4 and 2)
+
+
+def test_a_corrupt_sizer_state_is_refused() -> None:
+    engine = _engine(_model())
+    with pytest.raises(ValueError, match="'fit', 'limit_bytes' and 'verified'"):
+        engine.load_state_dict({**engine.state_dict(), "lengths": {"budget": {"fit": {}}}})

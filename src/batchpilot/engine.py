@@ -633,7 +633,7 @@ class Engine:
         return f"{head}, micro {micro} × accum {k} ({sizes}){why}"
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
+        """The engine's own state: micro-batch, growth counters, memory fit(s), GradScaler, step count.
 
         ``global_batch_size`` is the global batch over all ranks and ``world_size`` the ranks it
         was saved on. Model, optimizer and scheduler are the caller's to checkpoint.
@@ -654,6 +654,8 @@ class Engine:
             "micro_cap": None if self._micro_cap is None else list(self._micro_cap),
             "noise": None if self.noise_meter is None else self.noise_meter.state_dict(),
             "schedule": None if self.schedule is None else self.schedule.describe(),
+            # sizing by length: the fit, verified lengths and corrections (batchpilot.engine_lengths)
+            "lengths": None if self.lengths is None else self.lengths.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -663,11 +665,13 @@ class Engine:
         constructor) give the per-rank batch and so the accumulation. A state saved on another
         number of ranks keeps its micro-batch, clamped to the new per-rank batch (the growth
         counters start afresh then); a saved global batch other than this one is logged. A fixed
-        ``micro_batch_size`` given to the constructor wins over the saved one. States of
+        ``micro_batch_size`` given to the constructor wins over the saved one. With ``lengths=``,
+        the sizer continues from its saved model (no search again at a verified length); a state
+        without it (saved before) leaves the sizer to fit on the first batch. States of
         version 1 (whose ``global_batch_size`` was the per-rank batch) load too.
 
         Raises:
-            ValueError: the state comes from an unknown version.
+            ValueError: the state comes from an unknown version, or its "lengths" is not a sizer's state.
         """
         version = state.get("version")
         if version not in _READABLE_VERSIONS:
@@ -695,6 +699,12 @@ class Engine:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._last_scale = None
+        if state.get("lengths") is not None:
+            if self.lengths is not None:
+                self.lengths.load_state_dict(state["lengths"])
+            else:
+                logger.warning("the engine state holds a sequence-length sizer's model; this engine has no "
+                               "lengths= and ignores it")
         saved = state.get("micro_batch_size")
         if self.fixed or saved is None:
             return

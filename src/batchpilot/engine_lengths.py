@@ -129,6 +129,45 @@ class LengthSizer:
     def splits(self) -> bool:
         return self.config.split
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What the sizer learnt, as lists, numbers and strings (``torch.load(weights_only=True)`` reads it).
+
+        The budget (the fit, its limit and cap, the verified lengths and answers, the
+        corrections) and the memory lines a later verification refits on; ``budget`` is
+        ``None`` before the first step of an engine given no plan.
+        """
+        return {
+            "budget": None if self.budget is None else self.budget.state_dict(),
+            "lines": [[L, float(f), float(p)] for L, (f, p) in sorted(self.lines.items())],
+            "verifications": self.verifications,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: no search again at a length it verified.
+
+        The saved budget replaces one built from a ``start`` plan (it holds what the run
+        learnt since). A state saved before the first step changes nothing.
+
+        Raises:
+            ValueError: not such a state (see :meth:`LengthBudget.from_state`).
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"the engine state's 'lengths' must be LengthSizer.state_dict()'s dict, got {state!r}")
+        if state.get("budget") is None:
+            return
+        budget = LengthBudget.from_state(state["budget"])
+        lines = {}
+        for line in state.get("lines", ()):
+            if not (isinstance(line, (list, tuple)) and len(line) == 3):
+                raise ValueError(f"each saved memory line must be [length, fixed_bytes, bytes_per_sample], got {line!r}")
+            lines[check_int("each line's length", line[0], minimum=1)] = (float(line[1]), float(line[2]))
+        if self.budget is not None:
+            logger.info("the checkpoint's length budget (verified up to %d) replaces the start plan's",
+                        budget.verified_max)
+        self.budget, self.lines = budget, lines
+        self.verifications = int(state.get("verifications", 0))
+
     # ------------------------------------------------------------------ before the step
     def size_step(self, split: BatchSplitter) -> None:
         """Read the length, verify it if needed, and set the engine's micro-batch for this step.

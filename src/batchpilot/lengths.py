@@ -140,6 +140,23 @@ class LengthFit:
         return {"fixed": list(self.fixed), "per_sample": list(self.per_sample), "lengths": list(self.lengths),
                 "bytes_per_token": self.bytes_per_token, "bytes_per_token_squared": self.bytes_per_token_squared}
 
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> LengthFit:
+        """The fit :meth:`to_dict` wrote (its derived keys are ignored).
+
+        Raises:
+            ValueError: ``fixed`` or ``per_sample`` missing or not three finite numbers.
+        """
+        def coeffs(key: str) -> tuple[float, float, float]:
+            values = state.get(key) if isinstance(state, Mapping) else None
+            if (not isinstance(values, (list, tuple)) or len(values) != 3
+                    or not all(_finite(v) for v in values)):
+                raise ValueError(f"a saved LengthFit needs {key!r}: three finite numbers, got {values!r}")
+            return tuple(float(v) for v in values)  # type: ignore[return-value]
+
+        return cls(fixed=coeffs("fixed"), per_sample=coeffs("per_sample"),
+                   lengths=tuple(positive_int("each fitted length", L) for L in state.get("lengths", ())))
+
 
 def fit_lengths(lines: Mapping[int, tuple[float, float]]) -> LengthFit:
     """Fit ``F`` and ``P`` to the memory lines ``{length: (fixed_bytes, bytes_per_sample)}``.
@@ -291,6 +308,70 @@ class LengthBudget:
                 "verified": {str(k): v for k, v in sorted(self.verified.items())},
                 "max_batch_size": self.max_batch_size,
                 "corrections": {str(k): v for k, v in sorted(self.corrections.items())}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything :meth:`micro_batch` answers from, as lists, numbers and strings.
+
+        ``torch.load(..., weights_only=True)`` and JSON both read it back; :meth:`from_state`
+        rebuilds a budget that answers every length alike (floats kept to the bit):
+
+        >>> fit = LengthFit(fixed=(0.0, 0.0, 0.0), per_sample=(0.0, 100.0, 0.0))
+        >>> budget = LengthBudget(fit=fit, limit_bytes=100_000, verified={1000: 1}, max_batch_size=16)
+        >>> budget.correct(100, 1.25)
+        >>> budget.state_dict()["verified"], budget.state_dict()["corrections"]
+        ([[1000, 1]], [[100, 1.25]])
+        >>> LengthBudget.from_state(budget.state_dict()) == budget
+        True
+        """
+        return {"fit": {"fixed": list(self.fit.fixed), "per_sample": list(self.fit.per_sample),
+                        "lengths": list(self.fit.lengths)},
+                "limit_bytes": float(self.limit_bytes),
+                "verified": [[L, b] for L, b in sorted(self.verified.items())],
+                "max_batch_size": self.max_batch_size,
+                "corrections": [[L, float(f)] for L, f in sorted(self.corrections.items())]}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> LengthBudget:
+        """The budget :meth:`state_dict` saved.
+
+        Raises:
+            ValueError: not such a state: a key missing, a length or batch that is not a
+                positive int, a limit or correction factor that is not a finite positive number,
+                no verified length.
+        """
+        if not isinstance(state, Mapping) or not {"fit", "limit_bytes", "verified"} <= set(state):
+            raise ValueError("a saved LengthBudget needs 'fit', 'limit_bytes' and 'verified' (from "
+                             f"LengthBudget.state_dict()), got {state!r}")
+        limit = state["limit_bytes"]
+        if not (_finite(limit) and limit > 0):
+            raise ValueError(f"a saved LengthBudget's limit_bytes must be a positive number, got {limit!r}")
+        cap = state.get("max_batch_size")
+        corrections = {}
+        for L, f in _pairs(state.get("corrections", ()), "corrections"):
+            if not (_finite(f) and f > 0):
+                raise ValueError(f"a saved correction factor must be a positive number, got {f!r} at length {L}")
+            corrections[positive_int("each corrected length", L)] = float(f)
+        return cls(
+            fit=LengthFit.from_state(state["fit"]),
+            limit_bytes=float(limit),
+            verified={positive_int("each verified length", L): positive_int("each verified batch size", b)
+                      for L, b in _pairs(state["verified"], "verified")},
+            max_batch_size=None if cap is None else positive_int("max_batch_size", cap),
+            corrections=corrections,
+        )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pairs(items: Any, name: str) -> list[tuple[Any, Any]]:
+    """``[[length, value], ...]`` (a state's form) as pairs; a ``{length: value}`` mapping is accepted too."""
+    if isinstance(items, Mapping):
+        items = list(items.items())
+    if not isinstance(items, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+        raise ValueError(f"a saved LengthBudget's {name} must be [[length, value], ...], got {items!r}")
+    return [(p[0], p[1]) for p in items]
 
 
 def plan_length_split(lengths: Sequence[int], budget: Callable[[int], int]) -> list[tuple[list[int], int]]:
