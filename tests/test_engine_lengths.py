@@ -149,9 +149,10 @@ def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> Non
 
 # ---------------------------------------------------------------------- checkpoints
 # fitted at 16, 8 and 4 on the first batch, 32 verified on the third; 64 is verified after the
-# checkpoint (the refit then uses the saved memory lines)
-RESUME_WIDTHS = [16, 8, 32, 24, 32, 12, 28, 20, 32, 64, 48, 24, 64, 40]
-RESUME_AT = 9
+# checkpoint (the refit then uses the saved memory lines); the 28 right after it is sized by the
+# correction a step at 28 taught before it
+RESUME_WIDTHS = [16, 8, 32, 24, 32, 12, 28, 28, 64, 48, 24, 64, 40]
+RESUME_AT = 7
 
 
 def _engine(model: TinyGPT) -> Engine:
@@ -234,3 +235,15 @@ def test_a_corrupt_sizer_state_is_refused() -> None:
     engine = _engine(_model())
     with pytest.raises(ValueError, match="'fit', 'limit_bytes' and 'verified'"):
         engine.load_state_dict({**engine.state_dict(), "lengths": {"budget": {"fit": {}}}})
+
+
+def test_a_sizer_state_meets_an_engine_without_lengths_or_before_its_first_step(uninterrupted, caplog) -> None:
+    ckpt = torch.load(uninterrupted["path"], weights_only=True)
+    model = _model()
+    plain = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, global_batch_size=N)
+    plain.load_state_dict(ckpt["engine"])
+    assert "ignores it" in caplog.text and plain.steps == RESUME_AT
+    fresh = _engine(_model())
+    state = fresh.state_dict()
+    assert state["lengths"]["budget"] is None
+    _engine(_model()).load_state_dict(state)  # nothing learnt yet: nothing to restore, no error

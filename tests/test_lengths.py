@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import doctest
+import io
+import json
 
 import pytest
 import torch
@@ -86,6 +88,52 @@ def test_budget_refuses_unverified_lengths_and_never_goes_below_a_verified_answe
     assert capped.table([20, 100, 400]) == {20: 8, 100: 8}
     with pytest.raises(ValueError, match="verified"):
         LengthBudget(fit=fit, limit_bytes=1.0, verified={})
+
+
+def _learnt_budget() -> LengthBudget:
+    """A budget as the engine leaves it: refitted, derated to a float limit, verified and corrected."""
+    fit = fit_lengths_for((b, L, _synthetic(b, L)) for L in (16, 64, 256) for b in (2, 5))
+    budget = LengthBudget(fit=fit, limit_bytes=3_000_000 * 0.8123456789, verified={256: 9, 64: 40},
+                          max_batch_size=64)
+    budget.correct(100, 1.1234567891)
+    budget.correct(30, 1.05)
+    return budget
+
+
+def test_budget_state_round_trips_through_torch_load_weights_only_and_json() -> None:
+    budget = _learnt_budget()
+    buffer = io.BytesIO()
+    torch.save(budget.state_dict(), buffer)
+    buffer.seek(0)
+    via_torch = LengthBudget.from_state(torch.load(buffer, weights_only=True))  # plain containers only
+    via_json = LengthBudget.from_state(json.loads(json.dumps(budget.state_dict())))
+    for restored in (via_torch, via_json):
+        assert restored == budget  # every float to the bit: the fit, the limit, the corrections
+        assert [restored.micro_batch(L) for L in range(1, 257)] == [budget.micro_batch(L) for L in range(1, 257)]
+        with pytest.raises(UnverifiedLengthError):
+            restored.micro_batch(257)
+    # the restored budget learns on as the original does
+    for b in (budget, via_torch):
+        b.correct(200, 1.3)
+        b.verify(300, 5)
+    assert via_torch == budget
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s.pop("verified"), "needs 'fit', 'limit_bytes' and 'verified'"),
+    (lambda s: s.update(verified=[]), "at least one verified"),
+    (lambda s: s.update(verified=[[0, 4]]), "each verified length must be a positive int"),
+    (lambda s: s.update(verified=[[64]]), r"verified must be \[\[length, value\]"),
+    (lambda s: s.update(limit_bytes=float("nan")), "limit_bytes must be a positive number"),
+    (lambda s: s.update(corrections=[[100, -1.0]]), "correction factor must be a positive number"),
+    (lambda s: s["fit"].update(fixed=[1.0, 2.0]), "'fixed': three finite numbers"),
+    (lambda s: s.update(max_batch_size=0), "max_batch_size must be a positive int"),
+])
+def test_a_bad_budget_state_is_refused(edit, match) -> None:
+    state = _learnt_budget().state_dict()
+    edit(state)
+    with pytest.raises(ValueError, match=match):
+        LengthBudget.from_state(state)
 
 
 def test_split_longest_first_within_budget() -> None:
