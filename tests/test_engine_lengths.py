@@ -234,7 +234,8 @@ def test_a_state_saved_without_the_sizer_still_loads_and_fits_again(uninterrupte
 def test_a_corrupt_sizer_state_is_refused() -> None:
     engine = _engine(_model())
     with pytest.raises(ValueError, match="'fit', 'limit_bytes' and 'verified'"):
-        engine.load_state_dict({**engine.state_dict(), "lengths": {"budget": {"fit": {}}}})
+        engine.load_state_dict({**engine.state_dict(), "steps": 5, "lengths": {"budget": {"fit": {}}}})
+    assert engine.steps == 0  # refused before any of the state was taken
 
 
 def test_a_sizer_state_meets_an_engine_without_lengths_or_before_its_first_step(uninterrupted, caplog) -> None:

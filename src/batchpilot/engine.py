@@ -633,7 +633,7 @@ class Engine:
         return f"{head}, micro {micro} × accum {k} ({sizes}){why}"
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's own state: micro-batch, growth counters, memory fit(s), GradScaler, step count.
+        """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
 
         ``global_batch_size`` is the global batch over all ranks and ``world_size`` the ranks it
         was saved on. Model, optimizer and scheduler are the caller's to checkpoint.
@@ -678,6 +678,12 @@ class Engine:
             raise ValueError(
                 f"engine state version {version!r} is not one of {', '.join(map(str, _READABLE_VERSIONS))}"
             )
+        if state.get("lengths") is not None:
+            if self.lengths is not None:
+                self.lengths.load_state_dict(state["lengths"])
+            else:
+                logger.warning("the engine state holds a sequence-length sizer's model; this engine has no "
+                               "lengths= and ignores it")
         saved_world = state.get("world_size")
         if self.schedule is not None and version >= 2:
             self._resume_schedule(state)
@@ -699,12 +705,6 @@ class Engine:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._last_scale = None
-        if state.get("lengths") is not None:
-            if self.lengths is not None:
-                self.lengths.load_state_dict(state["lengths"])
-            else:
-                logger.warning("the engine state holds a sequence-length sizer's model; this engine has no "
-                               "lengths= and ignores it")
         saved = state.get("micro_batch_size")
         if self.fixed or saved is None:
             return

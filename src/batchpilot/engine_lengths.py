@@ -160,7 +160,8 @@ class LengthSizer:
         lines = {}
         for line in state.get("lines", ()):
             if not (isinstance(line, (list, tuple)) and len(line) == 3):
-                raise ValueError(f"each saved memory line must be [length, fixed_bytes, bytes_per_sample], got {line!r}")
+                raise ValueError(f"each saved memory line must be [length, fixed_bytes, bytes_per_sample], "
+                                 f"got {line!r}")
             lines[check_int("each line's length", line[0], minimum=1)] = (float(line[1]), float(line[2]))
         if self.budget is not None:
             logger.info("the checkpoint's length budget (verified up to %d) replaces the start plan's",
