@@ -407,7 +407,8 @@ def test_state_dict_resumes_without_probing(monkeypatch):
     state = eng.state_dict()
     assert set(state) == {"version", "global_batch_size", "world_size", "micro_batch_size", "steps", "policy", "fit",
                           "scaler", "samples", "reference_batch_size", "last_batch_change", "micro_cap", "noise",
-                          "schedule"}
+                          "schedule", "lengths"}
+    assert state["lengths"] is None  # no lengths=: nothing to size by length
     assert (state["global_batch_size"], state["world_size"]) == (n, 1)
     assert state["micro_batch_size"] < n and state["steps"] == 3
     clean = state["policy"]["clean"]
