@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -41,6 +40,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig
 from batchpilot.models import MLP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torchrun import launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402
 
 VARIANTS = ("plain", "batchpilot", "deferred", "overlap")
 
@@ -94,24 +96,9 @@ def measure(width: int, depth: int, global_per_rank: int, micro: int, steps: int
     variants = _make_variants(width, depth, global_per_rank, micro)
     g = torch.Generator().manual_seed(bd.rank())
     batch = (torch.randn(global_per_rank, 256, generator=g), torch.randint(0, 10, (global_per_rank,), generator=g))
-    for step in variants.values():  # warm-up: allocator, DDP bucket rebuild, optimizer state
-        step(batch)
-        step(batch)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for i in range(steps):
-        # one step of each variant in turn, the order rotated: drift and neighbours hit all alike
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            torch.distributed.barrier()  # both ranks start together; not timed
-            began = time.perf_counter()
-            variants[name](batch)
-            times[name].append(time.perf_counter() - began)
-    local = {name: statistics.median(t) for name, t in times.items()}
+    local = median_step_seconds(variants, batch, steps)
     local.update(_collective_costs(width, depth, batch, steps))
-    # the slower rank's median: a step is as fast as its slowest rank
-    gathered: list[dict] = [None] * bd.world_size()  # type: ignore[list-item]
-    torch.distributed.all_gather_object(gathered, local)
-    ms = {name: 1000 * max(r[name] for r in gathered) for name in local}
+    ms = slowest_rank_ms(local)
     params = sum(p.numel() for p in MLP(in_features=256, width=width, depth=depth).parameters())
     return {
         "model": f"MLP {depth}x{width}", "params": params, "grad_mib": round(params * 4 / 2**20, 2),
@@ -174,10 +161,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--nproc", type=int, default=2, help="ranks when launching itself")
     args = parser.parse_args()
-    if "WORLD_SIZE" not in os.environ:  # not under torchrun: launch ourselves under it
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, *sys.argv[1:]]
-        sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    launch_under_torchrun(__file__, args.nproc)
     torch.set_num_threads(1)
     bd.init_distributed(backend="gloo")
     cases = CASES[:2] if args.quick else CASES

@@ -27,10 +27,7 @@ import argparse
 import copy
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -41,6 +38,9 @@ from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig
 from batchpilot.fsdp import shard_model
 from batchpilot.models import MLP, TinyGPT, lm_loss, padded_lm_batch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _torchrun import launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402
 
 VARIANTS = ("plain", "batchpilot", "auto")
 
@@ -104,22 +104,8 @@ def _make_variants(kind: str, size: int, depth: int, per_rank: int, micro: int) 
 def measure(kind: str, size: int, depth: int, per_rank: int, micro: int, steps: int) -> dict:
     variants = _make_variants(kind, size, depth, per_rank, micro)
     batch = _batch(kind, per_rank)
-    for step in variants.values():  # warm-up: lazy init, optimizer state
-        step(batch)
-        step(batch)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for i in range(steps):
-        # one step of each variant in turn, the order rotated: drift and neighbours hit all alike
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            torch.distributed.barrier()  # both ranks start together; not timed
-            began = time.perf_counter()
-            variants[name](batch)
-            times[name].append(time.perf_counter() - began)
-    local = {name: statistics.median(t) for name, t in times.items()}
-    gathered: list[dict] = [None] * bd.world_size()  # type: ignore[list-item]
-    torch.distributed.all_gather_object(gathered, local)
-    ms = {name: 1000 * max(r[name] for r in gathered) for name in local}
+    local = median_step_seconds(variants, batch, steps)
+    ms = slowest_rank_ms(local)
     params = sum(p.numel() for p in _build(kind, size, depth).parameters())
     label = f"MLP {depth}x{size}" if kind == "mlp" else f"GPT {depth}x{size}"
     return {
@@ -158,10 +144,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--nproc", type=int, default=2, help="ranks when launching itself")
     args = parser.parse_args()
-    if "WORLD_SIZE" not in os.environ:  # not under torchrun: launch ourselves under it
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, *sys.argv[1:]]
-        sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    launch_under_torchrun(__file__, args.nproc)
     torch.set_num_threads(1)
     bd.init_distributed(backend="gloo")
     cases = CASES[:2] if args.quick else CASES
