@@ -9,11 +9,9 @@ collective; the process-group timeout must end the job). Each writes JSON / .pt 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 import dist_common as dc  # noqa: E402
+from scenario_main import run_scenarios  # noqa: E402
 
 from batchpilot import distributed as bd  # noqa: E402
 
@@ -159,16 +158,7 @@ SCENARIOS = {
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    timeout = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_S", "60")))
-    bd.init_distributed(backend="gloo", timeout=timeout)
-    for name in sys.argv[2:]:
-        began = time.perf_counter()
-        SCENARIOS[name](out)
-        if bd.rank() == 0:
-            print(json.dumps({"scenario": name, "seconds": round(time.perf_counter() - began, 2)}), flush=True)
-    torch.distributed.destroy_process_group()
+    run_scenarios(SCENARIOS)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,9 @@ from batchpilot.data import ElasticBatchSampler
 from batchpilot.engine import Engine
 from batchpilot.noise import NoiseConfig
 from batchpilot.schedule import AdaptiveSchedule, RampSchedule
+
+sys.path.insert(0, os.path.dirname(__file__))
+from scenario_main import run_scenarios  # noqa: E402
 
 D = 16
 GLOBAL = 32
@@ -177,12 +179,7 @@ SCENARIOS = {"equal": equal, "ramp-save": ramp_save}
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    bd.init_distributed(backend="gloo", timeout=timedelta(seconds=60))
-    for name in sys.argv[2:]:
-        SCENARIOS[name](out)
-    torch.distributed.destroy_process_group()
+    run_scenarios(SCENARIOS)
 
 
 if __name__ == "__main__":

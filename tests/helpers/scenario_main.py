@@ -1,0 +1,34 @@
+"""The entry point the torchrun workers share: ``python WORKER.py OUT_DIR SCENARIO [SCENARIO ...]``.
+
+Every rank joins a gloo group (made here, inside a function: module-level process groups abort at
+exit now and then with torch 2.13), runs the named scenarios in order with ``OUT_DIR``, and leaves.
+``PG_TIMEOUT_S`` (default 60) bounds every collective, so a broken scenario fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from batchpilot import distributed as bd
+
+
+def run_scenarios(scenarios: dict[str, Callable[[Path], None]]) -> None:
+    """Run the scenarios named on the command line; rank 0 prints each one's seconds as a JSON line."""
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_S", "60")))
+    bd.init_distributed(backend="gloo", timeout=timeout)
+    for name in sys.argv[2:]:
+        began = time.perf_counter()
+        scenarios[name](out)
+        if bd.rank() == 0:
+            print(json.dumps({"scenario": name, "seconds": round(time.perf_counter() - began, 2)}), flush=True)
+    torch.distributed.destroy_process_group()
