@@ -14,10 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from batchpilot.app import report
-from batchpilot.app.cli import build_parser, main
+from batchpilot.app.cli import build_parser
 from batchpilot.models import MLP
 
 from test_report import png_size
@@ -31,28 +30,6 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "batchpilot", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
-
-
-@pytest.fixture
-def cli(capsys):
-    """Run ``main(argv)`` in this process; returns ``(status, stdout, stderr)``.
-
-    ``main`` puts logging back itself (a test below checks); the thread count the train
-    command sets is put back here.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as run_cli: busy shared cores, tiny models
-
-    def call(*argv: str) -> tuple[int, str, str]:
-        try:
-            status = main(list(argv))
-        except SystemExit as exc:  # argparse's own errors
-            status = exc.code
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    yield call
-    torch.set_num_threads(threads)
 
 
 def assert_user_error(proc_or_err: str, status: int, expected: int) -> None:

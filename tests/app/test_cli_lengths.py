@@ -5,27 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from batchpilot.app import report
-from batchpilot.app.cli import main
-
-
-@pytest.fixture
-def cli(capsys):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-    def call(*argv: str) -> tuple[int, str, str]:
-        try:
-            status = main(list(argv))
-        except SystemExit as exc:  # argparse's own errors
-            status = exc.code
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    yield call
-    torch.set_num_threads(threads)
 
 
 def _check_lengths(doc: dict, lengths: list[int]) -> None:
