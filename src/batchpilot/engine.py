@@ -449,10 +449,10 @@ class Engine:
             while True:
                 micro = min(self.micro_batch_size, n)
                 reason = self.micro_batch_reason
-                if self.noise_meter is not None and self.noise_meter.micro_batch(n, micro) != micro:
-                    micro = self.noise_meter.micro_batch(n, micro)
-                    reason = f"{reason}; split in two to measure the gradient noise scale" if reason else \
-                        "split in two to measure the gradient noise scale"
+                halved = micro if self.noise_meter is None else self.noise_meter.micro_batch(n, micro)
+                if halved != micro:
+                    micro = halved
+                    reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
                 if measured:
                     probe.reset()
                     start_bytes = probe.current()
