@@ -25,21 +25,11 @@ from batchpilot.engine import Coordinator
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 import dist_common as dc  # noqa: E402
-from dist_launch import ROOT, torchrun  # noqa: E402
+from dist_launch import ROOT, assert_params_close, read_result, torchrun  # noqa: E402
 
 WORKER = HELPERS / "dist_worker.py"
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _load(out: Path, name: str) -> dict:
-    return json.loads((out / name).read_text())
-
-
-def _assert_params_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +175,7 @@ def test_find_without_a_process_group_is_the_local_search():
 
 
 def test_collectives_agree_on_min_max_sum_and_rank(launched):
-    r0, r1 = (_load(launched, f"collectives_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"collectives_rank{r}.json") for r in (0, 1))
     for rank, r in enumerate((r0, r1)):
         assert (r["rank"], r["world"], r["local_rank"]) == (rank, 2, rank)
         assert (r["min"], r["max"], r["sum"]) == (10, 11, 21)
@@ -195,7 +185,7 @@ def test_collectives_agree_on_min_max_sum_and_rank(launched):
 
 
 def test_one_agreement_carries_the_oom_vote_and_the_next_micro_batch(launched):
-    r0, r1 = (_load(launched, f"collectives_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"collectives_rank{r}.json") for r in (0, 1))
     for r in (r0, r1):
         assert r["agree_clean"] == [False, 6] and r["agree_limited_by"] == 1
         assert r["agree_oom"][0] is True
@@ -205,7 +195,7 @@ def test_one_agreement_carries_the_oom_vote_and_the_next_micro_batch(launched):
 
 def test_sync_gradients_averages_like_ddp(launched):
     for rank in (0, 1):
-        r = _load(launched, f"collectives_rank{rank}.json")
+        r = read_result(launched, f"collectives_rank{rank}.json")
         # (rank-0 value + rank-1 value) / 2, a missing gradient counting as zero
         assert r["grads"] == {
             "both": [1.5], "only_rank1": [2.0], "nowhere": None,
@@ -215,7 +205,7 @@ def test_sync_gradients_averages_like_ddp(launched):
 
 
 def test_finder_agrees_on_the_minimum_and_names_the_limiting_rank(launched):
-    r0, r1 = (_load(launched, f"find_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"find_rank{r}.json") for r in (0, 1))
     assert r0["plan"]["batch_size"] == r1["plan"]["batch_size"] == r1["plan"]["local_best"]
     assert r0["plan"]["local_best"] > r1["plan"]["local_best"]
     assert r0["plan"]["limited_by_rank"] == r1["plan"]["limited_by_rank"] == 1
@@ -224,13 +214,13 @@ def test_finder_agrees_on_the_minimum_and_names_the_limiting_rank(launched):
 
 def test_finder_refuses_a_step_through_the_ddp_wrapper_on_every_rank(launched):
     for rank in (0, 1):
-        wrapper = _load(launched, f"find_rank{rank}.json")["wrapper"]
+        wrapper = read_result(launched, f"find_rank{rank}.json")["wrapper"]
         assert wrapper["error"] == "RuntimeError"
         assert "ddp_model.module" in wrapper["message"]
 
 
 def test_finder_failure_on_one_rank_stops_every_rank(launched):
-    r0, r1 = (_load(launched, f"find_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"find_rank{r}.json") for r in (0, 1))
     # nothing fits on rank 1: both raise NothingFitsError, rank 0's names rank 1
     assert r0["nothing_fits"]["error"] == r1["nothing_fits"]["error"] == "NothingFitsError"
     assert "rank 1" in r0["nothing_fits"]["message"]
@@ -240,7 +230,7 @@ def test_finder_failure_on_one_rank_stops_every_rank(launched):
 
 
 def test_oom_on_rank_one_only_keeps_ranks_identical_and_exact(launched):
-    r0, r1 = (_load(launched, f"oom_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"oom_rank{r}.json") for r in (0, 1))
     assert r1["capacity"] < r0["capacity"]
     steps0, steps1 = r0["steps"], r1["steps"]
     assert len(steps0) == len(steps1) == dc.OOM_STEPS
@@ -254,12 +244,12 @@ def test_oom_on_rank_one_only_keeps_ranks_identical_and_exact(launched):
     p0 = torch.load(launched / "oom_params_rank0.pt")
     p1 = torch.load(launched / "oom_params_rank1.pt")
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
-    _assert_params_close(p0, dc.reference_oom_params())
+    assert_params_close(p0, dc.reference_oom_params())
 
 
 def test_an_engine_given_no_coordinator_trains_the_global_batch_under_torchrun(launched):
     # a 2-rank process group and an unwrapped model: the engine must not fall back to a world of 1
-    r0, r1 = (_load(launched, f"plain_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"plain_rank{r}.json") for r in (0, 1))
     for r in (r0, r1):
         assert r["coordinator"] == "DistributedCoordinator" and r["world"] == 2
         assert r["per_rank"] == dc.OOM_GLOBAL // 2 and r["samples"] == [dc.OOM_GLOBAL // 2] * dc.PLAIN_STEPS
@@ -267,12 +257,12 @@ def test_an_engine_given_no_coordinator_trains_the_global_batch_under_torchrun(l
     p1 = torch.load(launched / "plain_params_rank1.pt")
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
     # gradients averaged over the ranks: one process on the whole global batch, step for step
-    _assert_params_close(p0, dc.reference_oom_params(dc.PLAIN_STEPS))
+    assert_params_close(p0, dc.reference_oom_params(dc.PLAIN_STEPS))
 
 
 def test_engine_finder_under_overlapped_ddp_agrees_on_the_smaller_rank(launched):
     # defer_grad_sync=False: the finder's trials run the inner module, never DDP's syncing backward
-    r0, r1 = (_load(launched, f"engine_find_rank{r}.json")["overlap"] for r in (0, 1))
+    r0, r1 = (read_result(launched, f"engine_find_rank{r}.json")["overlap"] for r in (0, 1))
     assert r0["steps"] == r1["steps"] and len(r0["steps"]) == dc.ENGINE_FIND_STEPS
     micro = r0["steps"][0]["micro"]
     per_rank = r0["per_rank"]
@@ -293,11 +283,11 @@ def test_engine_finder_under_overlapped_ddp_agrees_on_the_smaller_rank(launched)
     p1 = torch.load(launched / "engine_find_params_rank1.pt")
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
     # the trials left no trace: the same training as one process on the whole global batch
-    _assert_params_close(p0, dc.reference_oom_params(dc.ENGINE_FIND_STEPS))
+    assert_params_close(p0, dc.reference_oom_params(dc.ENGINE_FIND_STEPS))
 
 
 def test_engine_finder_nothing_fits_on_one_rank_raises_on_every_rank(launched):
-    r0, r1 = (_load(launched, f"engine_find_rank{r}.json")["nothing_fits"] for r in (0, 1))
+    r0, r1 = (read_result(launched, f"engine_find_rank{r}.json")["nothing_fits"] for r in (0, 1))
     assert r0["error"] == r1["error"] == "NothingFitsError"
     assert "nothing fits on rank 1" in r0["message"]
     assert r0["restored"] and r1["restored"]
@@ -325,7 +315,7 @@ def test_elastic_resize_sees_every_sample_exactly_once(launched, first, second):
         assert legs("save1")[0]["shapes"][0]["micro"] == 16
         assert {s["micro"] for leg in legs("resume2") for s in leg["shapes"]} == {8}
     # same samples per global step in the same order: the same training as without the restart
-    _assert_params_close(torch.load(launched / f"{second}_params.pt"), dc.reference_elastic_params())
+    assert_params_close(torch.load(launched / f"{second}_params.pt"), dc.reference_elastic_params())
 
 
 def test_a_dead_rank_fails_the_launch_instead_of_hanging(tmp_path):

@@ -27,21 +27,11 @@ from batchpilot.plan import PlanningError, estimate_peak_memory, plan_batch_size
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 import fsdp_common as fc  # noqa: E402
-from dist_launch import torchrun  # noqa: E402
+from dist_launch import assert_params_close, read_result, torchrun  # noqa: E402
 
 WORKER = HELPERS / "fsdp_worker.py"
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _load(out: Path, name: str) -> dict:
-    return json.loads((out / name).read_text())
-
-
-def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +99,7 @@ def test_one_rank_engine_recovers_from_an_oom_mid_step_exactly(one_rank):
             fc.Clock.step = step
             ooms.append(engine.step(fc.global_batch(step)).ooms)
     assert ooms == [0, 1, 1] and loss_fn.injected == 2
-    _close(fc.full_params(model), fc.reference_params(3))
+    assert_params_close(fc.full_params(model), fc.reference_params(3))
 
 
 def test_reset_fsdp_state_drops_unsynced_gradients(one_rank):
@@ -162,7 +152,7 @@ def test_fake_plan_at_world_2_equals_the_real_two_rank_tracked_peak(launched):
     est = estimate_peak_memory(fc.build(), SAMPLE, fc.PLAN_BATCH, optimizer=fc.make_optimizer,
                                loss_fn=fc.ce_loss, world_size=2, sharding="fsdp2")
     for rank in (0, 1):
-        real = _load(launched, f"plan_rank{rank}.json")
+        real = read_result(launched, f"plan_rank{rank}.json")
         assert est.peak_bytes == real["peak"]  # byte for byte, on every rank
         assert est.parameters == real["start"]  # the shards the rank holds before the step
     parts = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
@@ -205,7 +195,7 @@ def test_sharded_plan_inside_a_running_process_group_is_refused(one_rank):
 
 
 def test_engine_survives_ooms_outside_and_inside_collectives_exactly(launched):
-    r0, r1 = (_load(launched, f"exact_rank{r}.json") for r in (0, 1))
+    r0, r1 = (read_result(launched, f"exact_rank{r}.json") for r in (0, 1))
     assert r0["coordinator"] == r1["coordinator"] == "FSDPCoordinator"
     key = [(s["micro"], s["accum"], s["ooms"]) for s in r0["steps"]]
     assert key == [(s["micro"], s["accum"], s["ooms"]) for s in r1["steps"]]  # lockstep
@@ -217,20 +207,20 @@ def test_engine_survives_ooms_outside_and_inside_collectives_exactly(launched):
     assert (r0["replays"], r0["remote_ooms"]) == (1, 2)
     assert (r1["replays"], r1["remote_ooms"]) == (2, 1)
     # the same training as one process on the whole global batch, without any OOM
-    _close(torch.load(launched / "exact_params.pt"), fc.reference_params())
+    assert_params_close(torch.load(launched / "exact_params.pt"), fc.reference_params())
 
 
 def test_engine_finder_runs_in_lockstep_and_the_smaller_device_sets_the_micro_batch(launched):
-    r0, r1 = (_load(launched, f"find_rank{r}.json")["engine"] for r in (0, 1))
+    r0, r1 = (read_result(launched, f"find_rank{r}.json")["engine"] for r in (0, 1))
     assert r0 == r1  # the same trials, peaks and answer on both ranks
     per_rank = fc.GLOBAL // 2
     assert 1 <= r0["plan_batch"] < per_rank and r0["limited_by_rank"] == 1
     assert all(s["micro"] == r0["plan_batch"] for s in r0["steps"])
-    _close(torch.load(launched / "find_engine_params.pt"), fc.reference_params(3))
+    assert_params_close(torch.load(launched / "find_engine_params.pt"), fc.reference_params(3))
 
 
 def test_find_batch_size_fsdp_agrees_after_each_trial_and_restores_the_shards(launched):
-    r0, r1 = (_load(launched, f"find_rank{r}.json")["direct"] for r in (0, 1))
+    r0, r1 = (read_result(launched, f"find_rank{r}.json")["direct"] for r in (0, 1))
     assert r0["trials"] == r1["trials"] and r0["batch_size"] == r1["batch_size"]
     assert 8 <= r0["batch_size"] < 16  # rank 1's device sits between the peaks at 8 and 16
     assert any(outcome == "oom" for _, outcome, _ in r0["trials"])
@@ -238,7 +228,7 @@ def test_find_batch_size_fsdp_agrees_after_each_trial_and_restores_the_shards(la
     assert r0["limited_by_rank"] == r1["limited_by_rank"] == 1
     assert r0["restored"] and r1["restored"] and r0["state_restored"] and r1["state_restored"]
     for rank in (0, 1):  # the generic helper refuses a model sharded over ranks, naming the way out
-        assert "find_batch_size_fsdp" in _load(launched, f"find_rank{rank}.json")["generic"]
+        assert "find_batch_size_fsdp" in read_result(launched, f"find_rank{rank}.json")["generic"]
 
 
 def test_an_oom_no_replay_can_survive_ends_every_rank_with_the_rank_and_size(tmp_path):
@@ -252,7 +242,7 @@ def test_an_oom_no_replay_can_survive_ends_every_rank_with_the_rank_and_size(tmp
         # every rank logged the error naming the rank and the size (rank 0 from its watchdog, while
         # it still waited in a collective; rank 1 when it gave up)
         assert said in (tmp_path / f"guard_rank{rank}.log").read_text(), rank
-    r1 = _load(tmp_path, "guard_rank1.json")
+    r1 = read_result(tmp_path, "guard_rank1.json")
     assert r1["error"] == "CollectiveOOMError" and r1["seconds"] < 30
     assert (r1["rank"], r1["micro_batch_size"], r1["step"]) == (1, fc.GUARD_MICRO, fc.GUARD_FROM + 1)
     r0 = tmp_path / "guard_rank0.json"

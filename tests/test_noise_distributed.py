@@ -8,7 +8,6 @@ batches, and the averaged gradient is its accumulated one. Both ranks decide the
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 import noise_worker as nw  # noqa: E402
-from dist_launch import torchrun  # noqa: E402
+from dist_launch import read_result, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,10 +27,6 @@ def launched(tmp_path_factory) -> Path:
     torchrun(HELPERS / "noise_worker.py", str(out), "equal", "ramp-save", env={"RAMP_SAVE": str(out / "ramp.pt")},
              timeout=180)
     return out
-
-
-def _load(out: Path, name: str) -> dict:
-    return json.loads((out / name).read_text())
 
 
 def _close(a, b, rel=1e-5, abs_=1e-7):
@@ -50,13 +45,13 @@ def _close(a, b, rel=1e-5, abs_=1e-7):
 
 
 def test_both_ranks_measure_and_decide_the_same(launched):
-    r0, r1 = _load(launched, "equal_rank0.json"), _load(launched, "equal_rank1.json")
+    r0, r1 = read_result(launched, "equal_rank0.json"), read_result(launched, "equal_rank1.json")
     assert r0 == r1  # bit for bit: the local norms were summed over ranks before anyone divided
 
 
 @pytest.mark.parametrize("name,two,one", nw.EQUAL_CASES, ids=[c[0] for c in nw.EQUAL_CASES])
 def test_two_ranks_equal_the_one_rank_accumulation_path(launched, name, two, one):
-    got = _load(launched, "equal_rank0.json")[name]
+    got = read_result(launched, "equal_rank0.json")[name]
     want = nw.run_case(one)
     assert all(s["noise"] is not None for s in got["steps"])
     small = got["steps"][0]["noise"]["small_count"]
@@ -68,7 +63,7 @@ def test_two_ranks_equal_the_one_rank_accumulation_path(launched, name, two, one
 
 
 def test_bf16_buckets_sum_the_norms_apart(launched):
-    got = _load(launched, "equal_rank0.json")["bf16"]
+    got = read_result(launched, "equal_rank0.json")["bf16"]
     want = nw.measure(mode="every", micro=16, dtype=nw.torch.bfloat16)
     for g, w in zip(got["steps"], want["steps"]):
         assert g["noise"]["small_count"] == 2
@@ -78,7 +73,7 @@ def test_bf16_buckets_sum_the_norms_apart(launched):
 
 def test_a_ramp_saved_on_two_ranks_resumes_on_one_exactly_once(launched):
     full = nw.run_ramp()  # one rank, uninterrupted
-    two = [_load(launched, f"ramp_rank{r}.json") for r in (0, 1)]
+    two = [read_result(launched, f"ramp_rank{r}.json") for r in (0, 1)]
     rest = nw.run_ramp(resume=launched / "ramp.pt")
     assert two[0]["globals"] == two[1]["globals"]
     assert two[0]["globals"] + rest["globals"] == full["globals"]  # the same ramp, on another world size

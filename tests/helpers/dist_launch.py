@@ -1,4 +1,4 @@
-"""Launch a script under torchrun for a test; a hang or a dead rank is a test failure.
+"""Launch a script under torchrun for a test (a hang or a dead rank is a test failure), and read what it wrote.
 
 torchrun's agent stops the other ranks when one exits non-zero and returns non-zero itself;
 the workers' process-group timeout turns a rank waiting on a missing peer into an error; and
@@ -7,6 +7,7 @@ the subprocess timeout here is the last resort, killing the whole process group.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -95,3 +96,17 @@ def _tail(stderr: str) -> str:
     """The ranks' own error lines first (torchrun's summary can push them out), then the end."""
     errors = [line for line in stderr.splitlines() if line.startswith("[rank") and "Error" in line]
     return "\n".join(errors[-20:]) + "\n...\n" + stderr[-6000:]
+
+
+def read_result(out: Path, name: str) -> dict:
+    """The JSON document a launched worker wrote as ``out / name``."""
+    return json.loads((out / name).read_text())
+
+
+def assert_params_close(a: list, b: list) -> None:
+    """Two lists of parameter tensors equal to fp32 rounding (rtol 1e-5, atol 1e-6)."""
+    import torch
+
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
