@@ -51,3 +51,27 @@ def run_helper(script: str, *args: str, timeout: float = 240) -> subprocess.Comp
 def seeded():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``batchpilot.app.cli.main(argv)`` in this process; returns ``(status, stdout, stderr)``.
+
+    ``main`` puts logging back itself (tests/app/test_cli.py checks); the thread count the train
+    command sets is put back here.
+    """
+    from batchpilot.app.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as test_cli.run_cli: busy shared cores, tiny models
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        try:
+            status = main(list(argv))
+        except SystemExit as exc:  # argparse's own errors
+            status = exc.code
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield call
+    torch.set_num_threads(threads)
