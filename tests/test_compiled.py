@@ -19,6 +19,7 @@ from batchpilot.compiled import (
     no_single_tail,
 )
 from batchpilot.engine import EngineConfig
+from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
 from batchpilot.memory import track_peak
 
 
@@ -122,6 +123,14 @@ def test_mark_batch_dynamic_marks_per_sample_tensors_only():
     mark_batch_dynamic(batch, bp.batch.BatchLayout.of(shared={"positions"}))
     marked = {k for k, t in batch.items() if 0 in getattr(t, "_dynamo_weak_dynamic_indices", ())}
     assert marked == {"ids", "mask"}
+
+
+def test_mark_batch_dynamic_marks_the_tokens_dim_where_it_is_the_padded_length():
+    batch = {"ids": torch.zeros(4, 12, dtype=torch.long), "labels": torch.zeros(4, 12), "cls": torch.zeros(4, 3),
+             "positions": torch.arange(12)}
+    mark_batch_dynamic(batch, bp.batch.BatchLayout.of(shared={"positions"}), seq_dim=1)
+    dims = {k: getattr(t, "_dynamo_weak_dynamic_indices", set()) for k, t in batch.items()}
+    assert dims == {"ids": {0, 1}, "labels": {0, 1}, "cls": {0}, "positions": set()}
 
 
 # ---------------------------------------------------------------------------
@@ -297,6 +306,35 @@ def test_engine_auto_start_on_a_compiled_model_compiles_once():
     assert engine.plan.compiled_trials and engine.plan.compilations == 1
     assert backend.compiles == 1 == r.compilations  # finder warm-up, trials and the step: one graph
     assert r.micro_batch_size == engine.plan.batch_size
+
+
+def test_searches_and_steps_at_many_lengths_compile_one_graph():
+    """Sized by length, the tokens' dim is marked dynamic with the batch's: a new length reuses the graph.
+
+    Unmarked, dynamo compiles a static graph at the first length and a dynamic one at the next
+    (its automatic dynamic shapes): 2 graphs, not 1.
+    """
+    gpt = TinyGPT(vocab=256, dim=32, heads=2, layers=2, max_len=64)
+    backend = CountingBackend()
+    model = torch.compile(gpt, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = bp.find_batch_size_for(model, padded_lm_batch([64, 64], pad_to=64), optimizer=opt, loss_fn=lm_loss,
+                                  max_batch_size=8, lengths=(16, 32, 64))  # real memory: compiled trials
+    assert sorted(plan.length_plans) == [16, 32, 64]
+    assert all(p.compiled_trials for p in plan.length_plans.values())
+    assert backend.compiles == 1 == plan.compilations
+    # the engine on its own (the search's graph gone): it marks the tokens' dim itself
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model = torch.compile(gpt, backend=backend)
+    engine = bp.Engine(model, opt, lm_loss, global_batch_size=16, start=plan, lengths=bp.LengthConfig(split=True))
+    shapes, compiles = set(), []
+    for widths in ([9, 64, 3, 30] * 4, [12] * 16, [40, 7] * 8, [50, 5] * 8):
+        r = engine.step(padded_lm_batch(widths))
+        shapes |= set(zip(r.micro_batch_sizes, r.micro_batch_lengths))
+        compiles.append(r.compilations)
+    assert len({L for _, L in shapes}) >= 4, shapes
+    assert backend.compiles == 1 and compiles == [1, 0, 0, 0], (compiles, shapes)
 
 
 def _ran_compiled(fn) -> bool:

@@ -10,6 +10,7 @@ Three facts about dynamo that batchpilot works around (details and numbers in
   as they were;
 * every new batch size is a new shape: dynamo compiles a static graph for the first size and a
   dynamic one for the second, unless dim 0 is marked dynamic up front (:func:`mark_batch_dynamic`);
+  so is every new padded length of a batch sized by length (its ``seq_dim``, marked the same way);
 * sizes 0 and 1 are always specialised: a batch of one sample compiles a graph of its own, so
   batchpilot avoids choosing one (:func:`no_single_tail`, :func:`compiled_floor`).
 
@@ -127,13 +128,15 @@ class CompileCounter:
         return compilations() - self._start
 
 
-def mark_batch_dynamic(batch: Any, layout: Any = None) -> Any:
+def mark_batch_dynamic(batch: Any, layout: Any = None, *, seq_dim: int | None = None) -> Any:
     """Mark dim 0 of every per-sample tensor of ``batch`` dynamic for dynamo; returns ``batch``.
 
     Per-sample by the rules of :mod:`batchpilot.batch` (``layout``: its ``BatchLayout``, for
-    ``shared`` keys). Marking is weak (``maybe_mark_dynamic``): a model that specialises on the
-    batch size still compiles. Without ``torch._dynamo`` loaded it does nothing. A size of one
-    is not marked: dynamo specialises it anyway.
+    ``shared`` keys). With ``seq_dim`` (a batch sized by length), that dim is marked too on the
+    per-sample tensors as long there as the batch's padded length, so a new length reuses the
+    graph; labels of another shape keep theirs. Marking is weak (``maybe_mark_dynamic``): a
+    model that specialises on a size still compiles. Without ``torch._dynamo`` loaded it does
+    nothing. A size of one is not marked: dynamo specialises it anyway.
     """
     dynamo = _dynamo()
     if dynamo is None:
@@ -142,11 +145,17 @@ def mark_batch_dynamic(batch: Any, layout: Any = None) -> Any:
         split = BatchSplitter(batch, layout)
     except ValueError:
         return batch  # nothing readable to mark: dynamo's automatic dynamic shapes take over
-    if split.size < 2:
-        return batch
+    width = 0
+    if seq_dim is not None:
+        widths: list[int] = []
+        split.map_rows(lambda t: widths.append(int(t.shape[seq_dim])) if t.dim() > seq_dim else None)
+        width = max(widths, default=0)
 
     def mark(t: torch.Tensor) -> torch.Tensor:
-        dynamo.maybe_mark_dynamic(t, 0)
+        if split.size > 1:
+            dynamo.maybe_mark_dynamic(t, 0)
+        if width > 1 and t.dim() > seq_dim and t.shape[seq_dim] == width:
+            dynamo.maybe_mark_dynamic(t, seq_dim)
         return t
 
     split.map_rows(mark)

@@ -968,8 +968,9 @@ class Engine:
             # length-aware: the micro-batch's samples, trimmed to their longest
             mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
             start += size
-            if self._compiled:
-                mark_batch_dynamic(mb, self.layout)
+            if self._compiled:  # a new micro-batch size, or length, reuses the graph
+                mark_batch_dynamic(mb, self.layout,
+                                   seq_dim=None if self.lengths is None else self.lengths.config.token_dim)
             # DDP all-reduces in the backward of the last micro-batch only, unless deferred;
             # FSDP reduce-scatters there (the coordinator switches it)
             quiet = ddp and (i < last or self.coordinator.defer_grad_sync)

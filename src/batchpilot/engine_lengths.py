@@ -70,6 +70,13 @@ class LengthConfig:
     def trim_dim(self) -> int:
         return 1 if self.seq_dim is None else self.seq_dim
 
+    @property
+    def token_dim(self) -> int | None:
+        """The dim whose size is the padded length; ``None`` when only ``length_fn`` knows it."""
+        if self.seq_dim is not None:
+            return self.seq_dim
+        return None if self.length_fn is not None else 1
+
 
 def make_sizer(engine: Engine, lengths: LengthConfig | bool | None, plan: Any) -> LengthSizer | None:
     """The engine's sizer, or ``None`` (no ``lengths`` and no :class:`LengthPlan` start).

@@ -821,7 +821,7 @@ def find_batch_size_for(
     forward: Callable[[nn.Module, Any], Any] | None = None,
     amp_dtype: torch.dtype | None = None,
     lengths: Iterable[int] | None = None,
-    seq_dim: int | None = 1,
+    seq_dim: int | None = None,
     **options: Any,
 ) -> BatchPlan:
     """Find the batch size for a model without writing the step.
@@ -868,7 +868,9 @@ def find_batch_size_for(
             ``batch`` is a function), and their memory lines fit ``peak ≈ F(L) + b·P(L)``
             (:mod:`batchpilot.lengths`). Returns a :class:`batchpilot.find_lengths.LengthPlan`:
             the search at the longest length, with ``per_length`` answering every length.
-        seq_dim: the dimension of the example batch that holds the tokens (with ``lengths``).
+        seq_dim: the dimension of the example batch that holds the tokens (with ``lengths``;
+            ``None``: 1). On a compiled model it is marked dynamic with the batch dimension, so
+            the searches at several lengths share one graph.
         **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
 
     Raises:
@@ -935,8 +937,9 @@ def find_batch_size_for(
                           layout=layout, cfg=cfg, device=dev)
         options["first_guess"] = seed.batch_size
 
-    # dim 0 dynamic from the first compilation: one graph for every trial size
-    dynamic = (lambda data: mark_batch_dynamic(data, layout)) if is_compiled(model) else (lambda data: data)
+    # dim 0 (and the tokens' dim) dynamic from the first compilation: one graph for every trial size
+    dynamic = (lambda data: mark_batch_dynamic(data, layout, seq_dim=seq_dim)) if is_compiled(model) \
+        else (lambda data: data)
 
     def train_step(b: int) -> None:
         step(dynamic(to_device(make(b), dev)))

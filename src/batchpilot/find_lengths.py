@@ -31,8 +31,8 @@ class LengthPlan(BatchPlan):
     """A :class:`~batchpilot.find.BatchPlan` at the longest length, with the answer at every length.
 
     Its own fields (``batch_size``, ``trials``, ``fit``...) are the search at the longest
-    length, verified by real trials; pass it as the engine's ``start=`` to size each step by
-    its length.
+    length, verified by real trials, except ``seconds`` and ``compilations``, which count every
+    length's search; pass it as the engine's ``start=`` to size each step by its length.
 
     Attributes:
         per_length: ``{length: largest micro-batch}`` for the lengths asked for.
@@ -117,7 +117,7 @@ def length_batch_fn(batch: Any, lengths: tuple[int, ...], *, seq_dim: int | None
 
 
 def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, lengths: Any,
-                    seq_dim: int | None = 1, **kwargs: Any) -> LengthPlan:
+                    seq_dim: int | None = None, **kwargs: Any) -> LengthPlan:
     """Search at two or three of ``lengths`` and fit the 2-D model; see ``find_batch_size_for(lengths=)``.
 
     Raises:
@@ -133,9 +133,12 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
         )
     fitted = choose_fit_lengths(asked)
     at_length = length_batch_fn(batch, asked, seq_dim=seq_dim)
+    functional = callable(batch) and not isinstance(batch, torch.Tensor)
+    # the dim a compiled model sees change between the searches (a function's batches: only if declared)
+    token_dim = seq_dim if functional else (seq_dim or 1)
     plans: dict[int, BatchPlan] = {}
     for L in sorted(fitted, reverse=True):  # the longest first: a nothing-fits fails fastest there
-        plans[L] = find(model, at_length(L), **kwargs)
+        plans[L] = find(model, at_length(L), seq_dim=token_dim, **kwargs)
         logger.info("length %d: batch %d in %d trials", L, plans[L].batch_size, plans[L].num_trials)
     lines = {}
     for L, p in plans.items():
@@ -149,8 +152,9 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
     top = plans[fitted[-1]]
     base = {f.name: getattr(top, f.name) for f in dataclasses.fields(BatchPlan)}
     base["seconds"] = sum(p.seconds for p in plans.values())
+    base["compilations"] = sum(p.compilations for p in plans.values())
     out = LengthPlan(**base, length_fit=fit, length_plans=plans,
-                     seq_dim=None if callable(batch) and not isinstance(batch, torch.Tensor) else (seq_dim or 1))
+                     seq_dim=None if functional else (seq_dim or 1))
     budget = out.budget(kwargs.get("max_batch_size"))
     out.per_length = budget.table(asked)
     return out
