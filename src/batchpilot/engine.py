@@ -34,7 +34,7 @@ from .amp import autocast
 from .batch import BatchLayout, BatchSplitter, SplitFn
 from .loss import as_loss_fn, parse_loss
 from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
-from .oom import attempt, free_memory
+from .oom import attempt
 from .policy import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
 from .schedule import BatchSchedule, SchedulePoint, parse_schedule
 from .speed import SPEED_TOLERANCE, SplitChoice, TimeCurve, check_speed_tolerance, choose_split
