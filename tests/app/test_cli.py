@@ -590,6 +590,20 @@ def test_typos_are_argparse_usage_errors(cli, argv, needle):
     assert lines[-1].startswith("batchpilot") and needle in lines[-1], err
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (("fnd",), "; did you mean 'find'?"),
+    (("trian", "--capacity", "1MiB"), "; did you mean 'train'?"),
+    (("find", "--capcity", "2GiB"), "; did you mean --capacity?"),
+    (("plan", "--gpu", "H100-80GB", "--modle=mlp", "--wrld-size", "2"), "; did you mean --model, --world-size?"),
+    (("train", "--noise", "firts"), "; did you mean 'first'?"),
+    (("find", "--zzz"), "unrecognized arguments: --zzz"),  # nothing near: no guess after it
+])
+def test_a_typo_is_answered_with_the_near_miss(cli, argv, hint):
+    status, _, err = cli(*argv)
+    last = err.strip().splitlines()[-1]
+    assert status == 2 and last.endswith(hint), err
+
+
 def test_find_plan_first_on_an_unplannable_model_notes_it_and_searches(cli, tmp_path):
     factory = _write(tmp_path / "item_net.py", """
         import torch.nn as nn

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
+import re
 import sys
 from typing import Iterator, Sequence
 
@@ -48,9 +50,44 @@ TORCH_INTERNAL_LOGGERS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors for a mistyped command, option or choice name the near miss."""
+
+    _argv: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]  # noqa: ANN001,ANN201
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):  # type: ignore[override]  # noqa: ANN201
+        super().error(message + self._did_you_mean(message))
+
+    def _did_you_mean(self, message: str) -> str:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice.group(2))
+            near = difflib.get_close_matches(choice.group(1), options, n=1)
+            return f"; did you mean '{near[0]}'?" if near else ""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = set(self._option_string_actions)
+        commands = self._subparsers._group_actions[0].choices if self._subparsers is not None else {}
+        command = next((a for a in self._argv if a in commands), None)
+        if command is not None:
+            known |= set(commands[command]._option_string_actions)
+        hints = []
+        for word in message.split(":", 1)[1].split():
+            name = word.split("=", 1)[0]
+            if name.startswith("--") and name not in known:
+                near = difflib.get_close_matches(name, sorted(o for o in known if o.startswith("--")), n=1)
+                if near:
+                    hints.append(near[0])
+        return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="batchpilot",
         description="Pick and keep the best batch size for a PyTorch job.",
         epilog="Exit status: 0 success, 2 bad arguments or a model that fails on its inputs, 3 nothing fits "
