@@ -113,6 +113,12 @@ def test_find_compile_sizes_the_compiled_model_on_real_memory(cli):
     status, out, err = cli("find", "--compile", "aot_eager", "--input-shape", "32", "--capacity", "4MiB", "--no-progress")
     assert status == 0, err
     assert "compiled model: trials ran eagerly" in out
+    # by length: the sequence dim is dynamic too, one graph for the searches at three lengths
+    status, out, err = cli("find", "--compile", "aot_eager", "--model", "transformer", "--seq-lens", "8,16,32",
+                           "--max-batch-size", "16", "--json", "--no-progress")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["fitted_lengths"] == [8, 16, 32] and doc["compilations"] == 1, doc
 
 
 def test_find_throughput_objective_json_and_plot(cli, tmp_path):

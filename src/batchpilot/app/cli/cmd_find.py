@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             lengths: dict[str, Any] = {}
         else:
             batch = lambda b, L: workload.batch_at(b, L, generator=generator)  # noqa: E731
-            lengths = {"lengths": args.seq_lens}
+            lengths = {"lengths": args.seq_lens, "seq_dim": 1}  # the sequence is the inputs' first dim
         plan = find_batch_size_for(
             model, batch, optimizer=optimizer, **lengths,
             loss_fn=nn.CrossEntropyLoss(), amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
