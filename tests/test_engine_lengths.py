@@ -147,6 +147,21 @@ def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> Non
     assert all(r.peak_bytes <= 0.8 * (1 << 20) for r in later)
 
 
+def test_what_several_ranks_learnt_is_applied_once_the_most_cautious_of_each_kind() -> None:
+    """The merge under torchrun (tests/test_engine_lengths_dist.py runs it for real): the events of
+    two ranks that saw the same step derate once, by the stronger factor, and correct once per length."""
+    engines = [_train(_model(), _batches([64]), LengthConfig())[0] for _ in range(2)]
+    merged, one_by_one = (e.lengths for e in engines)
+    assert merged.budget == one_by_one.budget
+    before = merged.budget.limit_bytes
+    merged._apply([("derate", 0.9), ("correct", 40, 1.1), ("derate", 0.8), ("correct", 40, 1.3),
+                   ("cut_verified", 64, 1.2), ("cut_verified", 64, 1.5)])
+    for event in (("derate", 0.8), ("correct", 40, 1.3), ("cut_verified", 64, 1.5)):
+        one_by_one._apply([event])
+    assert merged.budget == one_by_one.budget
+    assert merged.budget.limit_bytes == pytest.approx(0.8 * before)  # not 0.9 x 0.8
+
+
 # ---------------------------------------------------------------------- checkpoints
 # fitted at 16, 8 and 4 on the first batch, 32 verified on the third; 64 is verified after the
 # checkpoint (the refit then uses the saved memory lines); the 28 right after it is sized by the

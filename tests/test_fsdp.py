@@ -125,6 +125,8 @@ def test_engine_refuses_coordinators_and_fp16_that_cannot_run_fsdp(one_rank):
         FSDPCoordinator().bind(fc.build())
     with pytest.raises(ValueError, match="find_batch_size_fsdp"):  # ranks cannot search alone
         bd.find_batch_size_distributed(lambda b: None, restore=(model, opt), capacity="1MiB")
+    with pytest.raises(ValueError, match="does not size FSDP steps yet"):  # DDP is sized by length, FSDP not
+        Engine(model, opt, fc.ce_loss, global_batch_size=8, lengths=True)
 
 
 def test_storage_tracker_counts_sharded_parameters_and_in_place_resizes(one_rank):

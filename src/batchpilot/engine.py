@@ -263,7 +263,7 @@ class Engine:
             ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
             schedule that follows the noise scale with ``noise=False`` (or a coordinator of
             several ranks that cannot sum it), ``lengths`` with a fixed micro-batch, an int
-            ``start``, or several ranks.
+            ``start``, or FSDP.
         TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type.
     """
 

@@ -5,6 +5,13 @@ step (read the length, verify it by a real search when it is beyond the longest 
 set the micro-batch), :meth:`LengthSizer.cut` inside it (length-aware splitting, opt-in), and
 :meth:`LengthSizer.observe` / :meth:`LengthSizer.on_oom` after an attempt (a model that
 under-predicted is derated). The model itself is :mod:`batchpilot.lengths`.
+
+Under ``torchrun`` (DDP) every rank must run as many micro-batches (DDP's forward broadcasts
+buffers, SyncBatchNorm gathers statistics), so every rank holds the same budget: the step is sized for the longest of the ranks' batches (one all-reduce), a
+verification searches on every rank and keeps the line of the rank that holds that length, and
+what an attempt teaches (corrections, derating) is exchanged as events that every rank applies
+alike, the most cautious of each kind. With ``split=True`` each rank cuts its own samples, then
+the ranks with fewer micro-batches halve their largest until all have as many.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch.distributed as dist
+
 from ._checks import check_int
 from .batch import BatchSplitter, to_device
 from .find_lengths import LengthPlan
-from .lengths import LengthBudget, UnverifiedLengthError, fit_lengths
+from .lengths import LengthBudget, UnverifiedLengthError, fit_lengths, split_into
 from .memory import format_bytes
 from .seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
 
@@ -82,8 +91,8 @@ def make_sizer(engine: Engine, lengths: LengthConfig | bool | None, plan: Any) -
     """The engine's sizer, or ``None`` (no ``lengths`` and no :class:`LengthPlan` start).
 
     Raises:
-        ValueError: ``lengths`` with a fixed micro-batch, a ``start`` that is an int, several
-            ranks or FSDP, or of the wrong type.
+        ValueError: ``lengths`` with a fixed micro-batch, a ``start`` that is an int, FSDP, or of
+            the wrong type.
     """
     if lengths is None or lengths is False:
         if not isinstance(plan, LengthPlan):
@@ -102,10 +111,10 @@ def make_sizer(engine: Engine, lengths: LengthConfig | bool | None, plan: Any) -
         )
     if engine.plan is not None and not isinstance(engine.plan, LengthPlan):
         raise ValueError("start= with lengths= must be a LengthPlan: find_batch_size_for(..., lengths=(...))")
-    if engine.world_size > 1 or engine._fsdp:
+    if engine._fsdp:
         raise ValueError(
-            "lengths= sizes micro-batches on one rank for now: ranks with different lengths would need to agree "
-            "on every verification; leave lengths out under torchrun"
+            "lengths= does not size FSDP steps yet (a verification would have to search in lockstep with the "
+            "sharded forward); leave lengths out with fully_shard, or train with DDP"
         )
     return LengthSizer(engine, lengths, engine.plan)
 
@@ -118,12 +127,19 @@ class LengthSizer:
         self.config = config
         self.budget: LengthBudget | None = None
         self.lines: dict[int, tuple[float, float]] = {}
-        self.length: int | None = None  # this step's padded length
+        self.length: int | None = None  # the padded length this step is sized for (the longest rank's)
+        self.width: int | None = None  # this rank's batch's padded length
         self.sizes: list[int] = []  # each micro-batch's samples in the last attempt
         self.widths: list[int] = []  # and its padded length
         self.groups: list[list[int]] = []  # with split: each micro-batch's sample indices
         self.verifications = 0
         self._step_micro = 0
+        self._found: dict[int, int] = {}  # the largest fitting batch each search found, by length
+        self._group = getattr(engine.coordinator, "group", None)
+        self._world = engine.world_size
+        self._events: list[tuple] = []  # what this rank learnt since the last exchange (several ranks)
+        self._owner = True  # this rank holds the step's length (its search lines are the ones kept)
+        self._synced = self._world == 1
         if plan is not None:
             self.budget = plan.budget(engine.per_rank_batch_size)
             # the finder's trials ran one micro-batch each; a step that accumulates runs its later
@@ -187,7 +203,9 @@ class LengthSizer:
         """
         e = self.engine
         cfg = self.config
-        L = padded_length(split, seq_dim=cfg.seq_dim, length_fn=cfg.length_fn, layout=e.layout)
+        L = self.width = padded_length(split, seq_dim=cfg.seq_dim, length_fn=cfg.length_fn, layout=e.layout)
+        if self._world > 1:
+            L = self._agree_length(L)
         self.length = L
         if self.budget is None:
             if cfg.split:
@@ -206,15 +224,20 @@ class LengthSizer:
         e.micro_batch_size = self._step_micro = e.policy.micro
         e.micro_batch_reason = f"sized for length {L}: the memory model allows {allowed} samples"
 
-    def _search_lines(self, split: BatchSplitter, L: int) -> int:
-        """A real search on ``split`` (padded to ``L``); its line joins the model's. Returns the fitting batch."""
+    def _search_lines(self, split: BatchSplitter, L: int) -> None:
+        """A real search on ``split`` (padded to ``L``): its line joins the model's, its answer ``_found[L]``.
+
+        With several ranks every rank searches (the answers are agreed), and the line and answer
+        kept are those of the rank whose batch is ``L`` long; :meth:`_exchange` delivers them.
+        """
         plan = self.engine._search(split, accumulating=True, timed_steps=0)
-        if plan.fit is not None and plan.fit.bytes_per_sample > 0:
-            self.lines[L] = (plan.fit.fixed_bytes, plan.fit.bytes_per_sample)
         if self.engine.plan is None:
             self.engine.plan = plan
-        self.limit = plan.limit_bytes
-        return int(plan.largest_fitting or plan.batch_size)
+        if self._owner:
+            line = None
+            if plan.fit is not None and plan.fit.bytes_per_sample > 0:
+                line = (float(plan.fit.fixed_bytes), float(plan.fit.bytes_per_sample))
+            self._emit(("search", L, line, int(plan.largest_fitting or plan.batch_size), int(plan.limit_bytes)))
 
     def _refit(self) -> Any:
         longest = sorted(self.lines)[-_REFIT_LENGTHS:]
@@ -232,11 +255,13 @@ class LengthSizer:
         if len(fit_at) < 2:
             raise ValueError(f"the first batch is {L} token long: too short to fit a memory model over lengths; "
                              "pass start=find_batch_size_for(..., lengths=(...))")
-        verified = {}
         for length in fit_at:
-            sub = split if length == L else BatchSplitter(
-                trim_batch(split, length, seq_dim=self.config.trim_dim, width=L, copy=True), e.layout)
-            verified[length] = self._search_lines(sub, length)
+            # a rank whose batch is shorter than the length searches at its own (only the owner's line is kept)
+            sub = split if length >= self.width else BatchSplitter(
+                trim_batch(split, length, seq_dim=self.config.trim_dim, width=self.width, copy=True), e.layout)
+            self._search_lines(sub, length)
+        self._exchange()
+        verified = {length: self._found[length] for length in fit_at}
         if len(self.lines) < 2:
             raise ValueError(
                 f"the searches at lengths {fit_at} measured fewer than two memory lines (a batch of {split.size} "
@@ -250,12 +275,13 @@ class LengthSizer:
         assert self.budget is not None
         logger.info("length %d is beyond the verified %d: verifying it by a real search on this batch",
                     L, self.budget.verified_max)
-        fits = self._search_lines(split, L)
+        self._search_lines(split, L)
+        self._exchange()
         self.verifications += 1
         limit = self.budget.limit_bytes
         self.budget.fit = self._refit()
         self.budget.limit_bytes = limit  # a derating learnt so far stays
-        self.budget.verify(L, fits)
+        self.budget.verify(L, self._found[L])
 
     # ------------------------------------------------------------------ inside the step
     def cut(self, split: BatchSplitter, micro: int, sizes: list[int]) -> tuple[list[int], list[int] | None]:
@@ -266,6 +292,8 @@ class LengthSizer:
         (:meth:`take` builds each), each micro-batch's budget scaled by how far an OOM retry
         has shrunk ``micro``.
         """
+        if self._world > 1:
+            self._exchange()  # a retry is cut by what every rank's attempt taught
         if not self.config.split:
             self.sizes, self.widths = list(sizes), [self.length] * len(sizes)
             return sizes, None
@@ -280,6 +308,10 @@ class LengthSizer:
             return max(1, math.floor(min(self.budget.micro_batch(L), per_rank) * shrink))
 
         groups = plan_length_split(real, budget)
+        if self._world > 1:  # as many micro-batches on every rank
+            from .distributed import all_reduce_int
+
+            groups = split_into(groups, real, all_reduce_int(len(groups), "max", group=self._group))
         self.groups = [idx for idx, _ in groups]
         self.sizes, self.widths = [len(idx) for idx, _ in groups], [w for _, w in groups]
         return self.sizes, self.widths
@@ -294,9 +326,9 @@ class LengthSizer:
 
     def trim(self, micro_batch: Any, width: int) -> Any:
         """A micro-batch narrowed to ``width`` tokens (a no-op at the batch's own length)."""
-        if width == self.length:
+        if width == self.width:
             return micro_batch
-        return trim_batch(micro_batch, width, seq_dim=self.config.trim_dim, width=self.length,
+        return trim_batch(micro_batch, width, seq_dim=self.config.trim_dim, width=self.width,
                           layout=self.engine.layout)
 
     # ------------------------------------------------------------------ after an attempt
@@ -321,15 +353,15 @@ class LengthSizer:
                 # which micro-batch peaked is not measured: every length the model sized takes the
                 # correction; only when a verified length was all there was does its answer shrink
                 modelled = {w for w in self.widths if w not in budget.verified}
-                for w in modelled:
-                    budget.correct(w, factor)
+                for w in sorted(modelled):
+                    self._emit(("correct", w, factor))
                 if not modelled:
-                    budget.verified[width] = max(1, math.floor(budget.verified[width] / factor))
+                    self._emit(("cut_verified", width, factor))
                 logger.warning("lengths %s: the step peaked at %s, over the target %.0f%% of %s, %.2fx the model's "
                                "%s; %s", sorted(set(self.widths)), format_bytes(peak), 100 * e.target,
                                format_bytes(capacity), factor, format_bytes(predicted),
                                f"lengths near {sorted(modelled)} are sized for that from now on" if modelled
-                               else f"the verified answer at {width} is now {budget.verified[width]}")
+                               else f"the verified answer at {width} is cut by that")
         return pressure
 
     def on_oom(self, capacity: int) -> None:
@@ -338,15 +370,81 @@ class LengthSizer:
             return
         predicted, _ = self._predicted()
         if 0 < predicted < capacity:
-            self._derate(predicted / capacity, f"out of memory although the model predicted {format_bytes(predicted)} "
-                                               f"of {format_bytes(capacity)}")
+            logger.warning("length %s: out of memory although the model predicted %s of %s", self.length,
+                           format_bytes(predicted), format_bytes(capacity))
+            self._emit(("derate", predicted / capacity))
 
-    def _derate(self, factor: float, why: str) -> None:
+    def _derate(self, factor: float) -> None:
         """Scale the budget's limit by ``factor`` (< 1); verified answers above the new model's are cut to it."""
         budget = self.budget
         assert budget is not None
         budget.limit_bytes *= factor
         for L, b in budget.verified.items():
             budget.verified[L] = max(1, min(b, budget.fit.max_batch(L, budget.limit_bytes)))
-        logger.warning("length %s: %s; derating the model's limit to %s", self.length, why,
-                       format_bytes(budget.limit_bytes))
+        logger.warning("derating the length model's limit to %s", format_bytes(budget.limit_bytes))
+
+    # ------------------------------------------------------------------ one budget on every rank
+    def _emit(self, event: tuple) -> None:
+        """Apply what was learnt now (one rank), or at the next exchange on every rank."""
+        if self._world == 1:
+            self._apply([event])
+        else:
+            self._events.append(event)
+
+    def _apply(self, events: list[tuple]) -> None:
+        """Apply events, merged: each search's line, the strongest derating, the largest correction per length."""
+        derate: float | None = None
+        corrections: dict[tuple[str, int], float] = {}
+        for event in events:
+            kind = event[0]
+            if kind == "search":
+                _, L, line, fits, limit = event
+                if line is not None:
+                    self.lines[L] = tuple(line)
+                self._found[L], self.limit = fits, limit
+            elif kind == "derate":
+                derate = event[1] if derate is None else min(derate, event[1])
+            else:  # "correct" or "cut_verified", at a length
+                key = (kind, event[1])
+                corrections[key] = max(corrections.get(key, 0.0), event[2])
+        if self.budget is None:
+            return
+        if derate is not None:
+            self._derate(derate)
+        for (kind, L), factor in sorted(corrections.items()):
+            if kind == "correct":
+                self.budget.correct(L, factor)
+            elif L in self.budget.verified:
+                self.budget.verified[L] = max(1, math.floor(self.budget.verified[L] / factor))
+
+    def _exchange(self) -> None:
+        """Every rank applies every rank's events (several ranks; every rank calls it at the same point)."""
+        if self._world == 1:
+            return
+        from .distributed import all_reduce_int
+
+        if not all_reduce_int(len(self._events), "max", group=self._group):
+            return
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, self._events, group=self._group)
+        self._events = []
+        self._apply([event for events in gathered for event in events])
+
+    def _agree_length(self, width: int) -> int:
+        """The longest of the ranks' padded lengths (after one state from rank 0 on the first step)."""
+        from .distributed import _all_reduce_ints
+
+        if not self._synced:  # per-rank plans or checkpoints may differ: rank 0's holds for all
+            state = [self.state_dict()]
+            dist.broadcast_object_list(state, src=dist.get_global_rank(self._group, 0) if self._group else 0,
+                                       group=self._group)
+            self.load_state_dict(state[0])
+            self._synced = True
+        rank, world = dist.get_rank(self._group), self._world
+        # one all-reduce: the longest width and, among the ranks that hold it, the lowest rank
+        key, pending = _all_reduce_ints([width * world + (world - 1 - rank), len(self._events)], "max",
+                                        group=self._group)
+        longest, self._owner = key // world, world - 1 - key % world == rank
+        if pending:
+            self._exchange()
+        return longest

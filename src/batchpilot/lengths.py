@@ -28,6 +28,7 @@ __all__ = [
     "fit_lengths",
     "fit_lengths_for",
     "plan_length_split",
+    "split_into",
 ]
 
 
@@ -372,6 +373,33 @@ def _pairs(items: Any, name: str) -> list[tuple[Any, Any]]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
         raise ValueError(f"a saved LengthBudget's {name} must be [[length, value], ...], got {items!r}")
     return [(p[0], p[1]) for p in items]
+
+
+def split_into(groups: Sequence[tuple[list[int], int]], lengths: Sequence[int],
+               count: int) -> list[tuple[list[int], int]]:
+    """``groups`` of :func:`plan_length_split` cut further, the largest first, until there are ``count``.
+
+    Under ``torchrun`` every rank runs the same number of micro-batches (DDP all-reduces in the
+    last one's backward), while each rank's samples call for their own number; a rank with
+    fewer halves its largest micro-batches, each half trimmed to its own longest sample. A half
+    holds no more than the whole did, so it fits where the whole did:
+
+    >>> split_into([([1, 3], 40), ([2, 4, 0, 5], 12)], [5, 40, 12, 40, 7, 3], 4)
+    [([1], 40), ([3], 40), ([2, 4], 12), ([0, 5], 5)]
+
+    Raises:
+        ValueError: ``count`` above the number of samples.
+    """
+    out = list(groups)
+    samples = sum(len(idx) for idx, _ in out)
+    if count > samples:
+        raise ValueError(f"cannot cut {samples} samples into {count} micro-batches")
+    while len(out) < count:
+        i = max(range(len(out)), key=lambda j: (len(out[j][0]), -j))  # the largest, the first among equals
+        idx = out[i][0]
+        half = (len(idx) + 1) // 2
+        out[i:i + 1] = [(part, max(lengths[k] for k in part)) for part in (idx[:half], idx[half:])]
+    return out
 
 
 def plan_length_split(lengths: Sequence[int], budget: Callable[[int], int]) -> list[tuple[list[int], int]]:
