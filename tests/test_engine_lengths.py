@@ -147,6 +147,26 @@ def test_a_model_that_under_predicts_is_derated_after_its_first_failure() -> Non
     assert all(r.peak_bytes <= 0.8 * (1 << 20) for r in later)
 
 
+def test_a_ramped_global_batch_is_sized_by_memory_not_by_the_first_steps_batch() -> None:
+    """The first fit could verify no more than the 8 samples it had; the ramp's later 16, 24, 32
+    are sized by the model (at length 12 all fit in one micro-batch), not held at 8 (4 micro-batches)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = Engine(model, opt, lm_loss, global_batch_size=32, schedule="ramp:8,8,48", lengths=LengthConfig(),
+                    config=EngineConfig(capacity=CAP))
+    g = torch.Generator().manual_seed(3)
+    seen = []
+    with emulate_capacity(CAP):
+        for _ in range(6):
+            lens = torch.randint(1, 13, (engine.per_rank_batch_size,), generator=g).tolist()
+            lens[0] = 12
+            r = engine.step(padded_lm_batch(lens, vocab=64, generator=g))
+            seen.append((len(lens), r.micro_batch_sizes))
+            assert r.ooms == 0 and r.peak_bytes <= 0.8 * (1 << 20), r
+    assert seen == [(8, (8,)), (8, (8,)), (16, (16,)), (24, (24,)), (32, (32,)), (32, (32,))]
+    assert engine.lengths.budget.capped  # the first fit's answers reached the 8 it had: floors, not boundaries
+
+
 def test_what_several_ranks_learnt_is_applied_once_the_most_cautious_of_each_kind() -> None:
     """The merge under torchrun (tests/test_engine_lengths_dist.py runs it for real): the events of
     two ranks that saw the same step derate once, by the stronger factor, and correct once per length."""

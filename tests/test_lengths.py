@@ -97,6 +97,7 @@ def _learnt_budget() -> LengthBudget:
                           max_batch_size=64)
     budget.correct(100, 1.1234567891)
     budget.correct(30, 1.05)
+    budget.verify(16, 64, capped=True)  # the search stopped at the cap, not at memory
     return budget
 
 
@@ -116,7 +117,12 @@ def test_budget_state_round_trips_through_torch_load_weights_only_and_json() -> 
     for b in (budget, via_torch):
         b.correct(200, 1.3)
         b.verify(300, 5)
-    assert via_torch == budget
+        b.raise_cap(128)
+    assert via_torch == budget and budget.capped == {16}  # 64 stopped at memory (40 of 64): a boundary
+    # an older state, saved before capped lengths were kept, loads with none
+    old = budget.state_dict()
+    del old["capped"]
+    assert LengthBudget.from_state(old).capped == set()
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -128,6 +134,7 @@ def test_budget_state_round_trips_through_torch_load_weights_only_and_json() -> 
     (lambda s: s.update(corrections=[[100, -1.0]]), "correction factor must be a positive number"),
     (lambda s: s["fit"].update(fixed=[1.0, 2.0]), "'fixed': three finite numbers"),
     (lambda s: s.update(max_batch_size=0), "max_batch_size must be a positive int"),
+    (lambda s: s.update(capped=[-16]), "each capped length must be a positive int"),
 ])
 def test_a_bad_budget_state_is_refused(edit, match) -> None:
     state = _learnt_budget().state_dict()

@@ -134,7 +134,8 @@ class LengthSizer:
         self.groups: list[list[int]] = []  # with split: each micro-batch's sample indices
         self.verifications = 0
         self._step_micro = 0
-        self._found: dict[int, int] = {}  # the largest fitting batch each search found, by length
+        # each search's largest fitting batch by length, and whether it stopped at the batch cap
+        self._found: dict[int, tuple[int, bool]] = {}
         self._group = getattr(engine.coordinator, "group", None)
         self._world = engine.world_size
         self._events: list[tuple] = []  # what this rank learnt since the last exchange (several ranks)
@@ -215,6 +216,7 @@ class LengthSizer:
             if cfg.beyond == "error":
                 raise UnverifiedLengthError(L, self.budget.verified_max)
             self._verify(split, L)
+        self.budget.raise_cap(e.per_rank_batch_size)  # a schedule may have grown the per-rank batch
         allowed = self.budget.micro_batch(L)
         micro = max(1, min(allowed, e.per_rank_batch_size))
         if e.policy is None:
@@ -237,7 +239,8 @@ class LengthSizer:
             line = None
             if plan.fit is not None and plan.fit.bytes_per_sample > 0:
                 line = (float(plan.fit.fixed_bytes), float(plan.fit.bytes_per_sample))
-            self._emit(("search", L, line, int(plan.largest_fitting or plan.batch_size), int(plan.limit_bytes)))
+            self._emit(("search", L, line, int(plan.largest_fitting or plan.batch_size), int(plan.limit_bytes),
+                        plan.stop_reason == "max_batch_size"))
 
     def _refit(self) -> Any:
         longest = sorted(self.lines)[-_REFIT_LENGTHS:]
@@ -261,14 +264,15 @@ class LengthSizer:
                 trim_batch(split, length, seq_dim=self.config.trim_dim, width=self.width, copy=True), e.layout)
             self._search_lines(sub, length)
         self._exchange()
-        verified = {length: self._found[length] for length in fit_at}
+        verified = {length: self._found[length][0] for length in fit_at}
         if len(self.lines) < 2:
             raise ValueError(
                 f"the searches at lengths {fit_at} measured fewer than two memory lines (a batch of {split.size} "
                 "samples is too small to measure); pass start=find_batch_size_for(..., lengths=(...))"
             )
         self.budget = LengthBudget(fit=self._refit(), limit_bytes=self.limit, verified=verified,
-                                   max_batch_size=e.per_rank_batch_size)
+                                   max_batch_size=e.per_rank_batch_size,
+                                   capped={length for length in fit_at if self._found[length][1]})
         logger.info("memory over lengths fitted at %s: %s", fit_at, self.budget.fit)
 
     def _verify(self, split: BatchSplitter, L: int) -> None:
@@ -281,7 +285,8 @@ class LengthSizer:
         limit = self.budget.limit_bytes
         self.budget.fit = self._refit()
         self.budget.limit_bytes = limit  # a derating learnt so far stays
-        self.budget.verify(L, self._found[L])
+        fits, capped = self._found[L]
+        self.budget.verify(L, fits, capped=capped)
 
     # ------------------------------------------------------------------ inside the step
     def cut(self, split: BatchSplitter, micro: int, sizes: list[int]) -> tuple[list[int], list[int] | None]:
@@ -398,10 +403,10 @@ class LengthSizer:
         for event in events:
             kind = event[0]
             if kind == "search":
-                _, L, line, fits, limit = event
+                _, L, line, fits, limit, capped = event
                 if line is not None:
                     self.lines[L] = tuple(line)
-                self._found[L], self.limit = fits, limit
+                self._found[L], self.limit = (fits, capped), limit
             elif kind == "derate":
                 derate = event[1] if derate is None else min(derate, event[1])
             else:  # "correct" or "cut_verified", at a length

@@ -54,8 +54,9 @@ class LengthPlan(BatchPlan):
         """The per-length budget, verified at every fitted length (capped at ``max_batch_size``)."""
         assert self.length_fit is not None
         verified = {L: _fitting(p) for L, p in self.length_plans.items() if _fitting(p) > 0}
+        capped = {L for L, p in self.length_plans.items() if L in verified and p.stop_reason == "max_batch_size"}
         return LengthBudget(fit=self.length_fit, limit_bytes=self.limit_bytes, verified=verified,
-                            max_batch_size=max_batch_size)
+                            max_batch_size=max_batch_size, capped=capped)
 
     def to_dict(self) -> dict[str, Any]:
         out = BatchPlan.to_dict(dataclasses.replace(self, length_plans={}, length_fit=None, per_length={}))

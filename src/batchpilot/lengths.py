@@ -223,6 +223,8 @@ class LengthBudget:
         corrections: ``{length: factor}``: a step at ``length`` peaked ``factor`` (> 1) times
             over the model's prediction; lengths within :data:`CORRECTION_BAND` of it are sized
             for a peak that many times the model's (see :meth:`correct`).
+        capped: verified lengths whose search stopped at a batch-size cap, not at memory: their
+            answer is a floor under the model's, not the boundary (see :meth:`raise_cap`).
     """
 
     fit: LengthFit
@@ -230,6 +232,7 @@ class LengthBudget:
     verified: dict[int, int] = field(default_factory=dict)
     max_batch_size: int | None = None
     corrections: dict[int, float] = field(default_factory=dict)
+    capped: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not self.verified:
@@ -243,9 +246,9 @@ class LengthBudget:
     def micro_batch(self, length: int) -> int:
         """The largest micro-batch for samples padded to ``length`` (0: not even one sample fits).
 
-        At a verified length, the verified batch; elsewhere the model's answer, never below what
-        a trial verified at a length at least as long (a shorter sequence needs no more memory);
-        capped at ``max_batch_size``. With
+        At a verified length, the verified batch; elsewhere (and where the verification only
+        reached a cap) the model's answer, never below what a trial verified at a length at least
+        as long (a shorter sequence needs no more memory); capped at ``max_batch_size``. With
         ``F(L) = 1000 + 2L``, ``P(L) = 10L + L²`` and a verified 56 at length 128:
 
         >>> fit = fit_lengths({16: (1032, 416), 32: (1064, 1344), 64: (1128, 4736)})
@@ -264,13 +267,33 @@ class LengthBudget:
         length = positive_int("length", length)
         if length > self.verified_max:
             raise UnverifiedLengthError(length, self.verified_max)
-        if length in self.verified:  # a real search answered this length: it outranks the model
+        if length in self.verified and length not in self.capped:  # a real search found the boundary here
             answer = self.verified[length]
         else:
             floor = max(b for L, b in self.verified.items() if L >= length)
             model = self.fit.max_batch(length, self._limit_at(length))
             answer = max(model, floor)
         return answer if self.max_batch_size is None else min(answer, self.max_batch_size)
+
+    def raise_cap(self, max_batch_size: int) -> None:
+        """Answer up to a larger ``max_batch_size`` (a schedule grew the per-rank batch).
+
+        A verified answer that had reached the old cap says where the search stopped, not where
+        memory ran out: from now on it is a floor under the model's answer.
+
+        >>> fit = LengthFit(fixed=(0.0, 0.0, 0.0), per_sample=(0.0, 100.0, 0.0))
+        >>> budget = LengthBudget(fit=fit, limit_bytes=100_000, verified={100: 8, 1000: 1}, max_batch_size=8)
+        >>> budget.micro_batch(100), budget.micro_batch(50)
+        (8, 8)
+        >>> budget.raise_cap(32)
+        >>> budget.micro_batch(100), budget.micro_batch(50), budget.micro_batch(1000)
+        (10, 20, 1)
+        """
+        old = self.max_batch_size
+        if old is None or max_batch_size <= old:
+            return
+        self.capped |= {L for L, b in self.verified.items() if b >= old}
+        self.max_batch_size = positive_int("max_batch_size", max_batch_size)
 
     def _limit_at(self, length: int) -> float:
         """The limit the model is held to at ``length``: lowered by the corrections near it."""
@@ -299,10 +322,15 @@ class LengthBudget:
         """``{length: micro_batch(length)}`` for the lengths up to :attr:`verified_max`."""
         return {L: self.micro_batch(L) for L in check_lengths(lengths) if L <= self.verified_max}
 
-    def verify(self, length: int, batch_size: int) -> None:
-        """Record that ``batch_size`` fits at ``length`` (a real trial ran)."""
+    def verify(self, length: int, batch_size: int, *, capped: bool = False) -> None:
+        """Record that ``batch_size`` fits at ``length`` (a real trial ran); ``capped``: the search
+        stopped at a batch-size cap, so more may fit (the answer is a floor, see :attr:`capped`)."""
         self.verified[positive_int("length", length)] = max(positive_int("batch_size", batch_size),
                                                             self.verified.get(length, 0))
+        if capped:
+            self.capped.add(length)
+        else:
+            self.capped.discard(length)
 
     def to_dict(self) -> dict[str, Any]:
         return {"fit": self.fit.to_dict(), "limit_bytes": self.limit_bytes,
@@ -329,7 +357,8 @@ class LengthBudget:
                 "limit_bytes": float(self.limit_bytes),
                 "verified": [[L, b] for L, b in sorted(self.verified.items())],
                 "max_batch_size": self.max_batch_size,
-                "corrections": [[L, float(f)] for L, f in sorted(self.corrections.items())]}
+                "corrections": [[L, float(f)] for L, f in sorted(self.corrections.items())],
+                "capped": sorted(self.capped)}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> LengthBudget:
@@ -359,6 +388,7 @@ class LengthBudget:
                       for L, b in _pairs(state["verified"], "verified")},
             max_batch_size=None if cap is None else positive_int("max_batch_size", cap),
             corrections=corrections,
+            capped={positive_int("each capped length", L) for L in state.get("capped", ())},
         )
 
 
@@ -379,8 +409,8 @@ def split_into(groups: Sequence[tuple[list[int], int]], lengths: Sequence[int],
                count: int) -> list[tuple[list[int], int]]:
     """``groups`` of :func:`plan_length_split` cut further, the largest first, until there are ``count``.
 
-    Under ``torchrun`` every rank runs the same number of micro-batches (DDP all-reduces in the
-    last one's backward), while each rank's samples call for their own number; a rank with
+    Under ``torchrun`` every rank runs the same number of micro-batches (DDP's forward broadcasts
+    buffers, SyncBatchNorm gathers), while each rank's samples call for their own number; a rank with
     fewer halves its largest micro-batches, each half trimmed to its own longest sample. A half
     holds no more than the whole did, so it fits where the whole did:
 
