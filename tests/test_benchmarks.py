@@ -470,6 +470,20 @@ def test_noise_benchmark_recovers_the_uncorrected_estimate_exactly():
     assert g == pytest.approx(out[False][0], rel=1e-6) and t == pytest.approx(out[False][1], rel=1e-6)
 
 
+def test_lengths_ddp_quick_runs_the_three_arms_on_two_ranks(tmp_path):
+    """benchmarks/lengths_ddp.py (launches itself under torchrun): equal micro-batch counts on both
+    ranks, no OOM after step 1, both ranks' parameters the full batch's (speed not asserted)."""
+    out = tmp_path / "lengths_ddp.json"
+    proc = run_script("lengths_ddp.py", "--quick", "--capacity", "400KiB", "--json", str(out), timeout=300)
+    for col in ("micro-batches / step", "CPU s (slowest rank)", "samples/s ratio", "exact"):
+        assert col in proc.stdout
+    arms = {a["arm"]: a for a in json.loads(out.read_text())["arms"]}
+    assert list(arms) == ["fixed", "by length", "by length + split"]
+    for a in arms.values():
+        assert a["ooms_after_first"] == 0 and a["exact"] and a["same_micro_batches_on_every_rank"], a
+    assert arms["by length"]["mean_micro_batches"] < arms["fixed"]["mean_micro_batches"]
+
+
 def test_lengths_quick_prints_the_three_arms(tmp_path):
     """benchmarks/lengths.py --quick: no OOM after step 1, exact parameters, the model's memory used (speed not asserted)."""
     out = tmp_path / "lengths.json"
