@@ -46,6 +46,7 @@ KNOWN = (
     Script("compiled", quick=("--quick",)),
     Script("noise", quick=("--quick",)),
     Script("lengths", quick=("--quick",)),
+    Script("lengths_ddp", quick=("--quick", "--capacity", "400KiB")),
 )
 
 
