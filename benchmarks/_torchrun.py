@@ -1,6 +1,6 @@
-"""What the multi-rank benchmarks share: launching themselves under torchrun, timing variants in turn.
+"""What the multi-rank benchmarks share: launching themselves under torchrun, timing variants in turn, ending.
 
-Used by ``ddp_overhead.py`` and ``fsdp_overhead.py``.
+Used by ``ddp_overhead.py``, ``fsdp_overhead.py`` and ``lengths_ddp.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,19 @@ def median_step_seconds(variants: dict[str, Callable[[Any], Any]], batch: Any, s
             variants[name](batch)
             times[name].append(time.perf_counter() - began)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def finish(status: int = 0) -> None:
+    """End a rank whose work is done: leave the process group, then exit without the interpreter's teardown.
+
+    In that teardown torch 2.13's gloo threads now and then abort a finished rank ("terminate
+    called without an active exception", exit -6), and torchrun then fails a run whose results
+    are all printed.
+    """
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def slowest_rank_ms(local: dict[str, float]) -> dict[str, float]:

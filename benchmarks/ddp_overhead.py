@@ -42,7 +42,7 @@ from batchpilot.engine import Engine, EngineConfig
 from batchpilot.models import MLP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _torchrun import launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402
+from _torchrun import finish, launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402
 
 VARIANTS = ("plain", "batchpilot", "deferred", "overlap")
 
@@ -175,7 +175,7 @@ def main() -> None:
             print("ratio = time / plain DDP time (no_sync on all but the last micro-batch); grad a-r: the\n"
                   "gradient all-reduce alone (what deferral exposes); agree: the two per-step agreements, ms")
             print(_table(rows))
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from batchpilot.fsdp import shard_model
 from batchpilot.models import MLP, TinyGPT, lm_loss, padded_lm_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _torchrun import launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402
+from _torchrun import finish, launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402
 
 VARIANTS = ("plain", "batchpilot", "auto")
 
@@ -158,7 +158,7 @@ def main() -> None:
                   f"{steps} steps per variant, median step (slower rank)")
             print("ratio = time / the plain FSDP2 accumulation loop's time at the same micro-batch")
             print(_table(rows))
-    torch.distributed.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import machine  # noqa: E402
-from _torchrun import launch_under_torchrun  # noqa: E402
+from _torchrun import finish, launch_under_torchrun  # noqa: E402
 from lengths import FULL, QUICK, make_batches, reference  # noqa: E402
 
 from batchpilot import Engine, EngineConfig, find_batch_size_for  # noqa: E402
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         "ranks": RANKS, "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
                         "arms": records}, args.json)
     dist.barrier()
-    dist.destroy_process_group()
     # correctness only (no OOM after step 1, equal micro-batch counts, exact parameters); speed is reported
+    finish(status)
     return status
 
 

@@ -25,7 +25,7 @@ from batchpilot.engine import Coordinator
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 import dist_common as dc  # noqa: E402
-from dist_launch import ROOT, assert_params_close, read_result, torchrun  # noqa: E402
+from dist_launch import ROOT, assert_params_close, read_result, teardown_abort_only, torchrun  # noqa: E402
 
 WORKER = HELPERS / "dist_worker.py"
 
@@ -53,6 +53,15 @@ def launched(tmp_path_factory) -> Path:
 
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def test_only_gloos_teardown_abort_is_forgiven_and_only_after_the_work():
+    abort = ("terminate called without an active exception\n"
+             "E1201 api.py:1002] failed (exitcode: -6) local_rank: 1 (pid: 2838) of binary: python\n"
+             "  exitcode  : -6 (pid: 2838)\n")
+    assert teardown_abort_only(abort)
+    assert not teardown_abort_only(abort + "  exitcode  : 1 (pid: 2837)\n")  # another rank failed for real
+    assert not teardown_abort_only("failed (exitcode: -6) local_rank: 0")  # a SIGABRT of another kind
 
 
 def test_rank_helpers_read_torchrun_environment(monkeypatch):
@@ -321,7 +330,8 @@ def test_elastic_resize_sees_every_sample_exactly_once(launched, first, second):
 def test_a_dead_rank_fails_the_launch_instead_of_hanging(tmp_path):
     began = time.perf_counter()
     with pytest.raises(AssertionError, match="rank 1 died on purpose"):
-        torchrun(WORKER, str(tmp_path), "crash", timeout=90)
+        # a crash fails the launch even when the output looks finished: only gloo's teardown abort is forgiven
+        torchrun(WORKER, str(tmp_path), "crash", timeout=90, finished=lambda _: True)
     assert time.perf_counter() - began < 90
 
 
@@ -333,7 +343,8 @@ def test_a_rank_that_never_joins_times_out_instead_of_hanging(tmp_path):
 def test_ddp_example_runs_under_torchrun(tmp_path):
     # rank 1 emulates the smaller device: its finder's answer is the one both ranks use
     proc = torchrun(ROOT / "examples" / "ddp_train.py", "--steps", "3", "--capacity", "1MiB,740KiB",
-                    "--checkpoint", str(tmp_path / "ckpt.pt"), timeout=120)
+                    "--checkpoint", str(tmp_path / "ckpt.pt"), timeout=120,
+                    finished=lambda out: "checkpoint written to" in out)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 0 step")]
     assert len(lines) == 3
     assert all("x 2 rank(s)" in line and "limited by rank 1" in line for line in lines)

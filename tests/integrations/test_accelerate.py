@@ -155,7 +155,8 @@ def test_a_function_without_a_prepared_optimizer_is_warned_about(caplog):
 def test_two_processes_agree_on_the_smaller_ranks_batch_and_hold_the_global_batch():
     # rank 1 emulates the smaller device; examples/accelerate_train.py holds a global batch of 256
     proc = torchrun(ROOT / "examples" / "accelerate_train.py", "--capacity", "1MiB,600KiB", "--steps", "3",
-                    nproc=2, timeout=240)
+                    nproc=2, timeout=240,
+                    finished=lambda out: sum(line.startswith("{") for line in out.splitlines()) == 2)
     reports = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
                      key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]
