@@ -7,11 +7,12 @@ set the micro-batch), :meth:`LengthSizer.cut` inside it (length-aware splitting,
 under-predicted is derated). The model itself is :mod:`batchpilot.lengths`.
 
 Under ``torchrun`` (DDP) every rank must run as many micro-batches (DDP's forward broadcasts
-buffers, SyncBatchNorm gathers statistics), so every rank holds the same budget: the step is sized for the longest of the ranks' batches (one all-reduce), a
-verification searches on every rank and keeps the line of the rank that holds that length, and
-what an attempt teaches (corrections, derating) is exchanged as events that every rank applies
-alike, the most cautious of each kind. With ``split=True`` each rank cuts its own samples, then
-the ranks with fewer micro-batches halve their largest until all have as many.
+buffers, SyncBatchNorm gathers statistics), so every rank holds the same budget: the step is
+sized for the longest of the ranks' batches (one all-reduce), a verification searches on every
+rank and keeps the line of the rank that holds that length, and what an attempt teaches
+(corrections, derating) is exchanged as events that every rank applies alike, the most cautious
+of each kind. With ``split=True`` each rank cuts its own samples, then the ranks with fewer
+micro-batches halve their largest until all have as many.
 """
 
 from __future__ import annotations
@@ -443,7 +444,8 @@ class LengthSizer:
             state = [self.state_dict()]
             dist.broadcast_object_list(state, src=dist.get_global_rank(self._group, 0) if self._group else 0,
                                        group=self._group)
-            self.load_state_dict(state[0])
+            if dist.get_rank(self._group) != 0:
+                self.load_state_dict(state[0])
             self._synced = True
         rank, world = dist.get_rank(self._group), self._world
         # one all-reduce: the longest width and, among the ranks that hold it, the lowest rank
