@@ -114,8 +114,9 @@ def make_sizer(engine: Engine, lengths: LengthConfig | bool | None, plan: Any) -
         raise ValueError("start= with lengths= must be a LengthPlan: find_batch_size_for(..., lengths=(...))")
     if engine._fsdp:
         raise ValueError(
-            "lengths= does not size FSDP steps yet (a verification would have to search in lockstep with the "
-            "sharded forward); leave lengths out with fully_shard, or train with DDP"
+            "lengths= does not size FSDP steps yet (an OOM inside FSDP's collectives is replayed by one rank, "
+            "which the sizer's exchanges between ranks do not follow); leave lengths out with fully_shard, or "
+            "train with DDP"
         )
     return LengthSizer(engine, lengths, engine.plan)
 
