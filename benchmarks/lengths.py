@@ -103,16 +103,45 @@ def reference(model: TinyGPT, batches: list) -> TinyGPT:
     return model
 
 
-def run_arm(name: str, model: TinyGPT, batches: list, cfg: dict, plan: Any) -> dict[str, Any]:
-    """Train one arm under the emulated capacity; record every step's micro-batches."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+def job_config(quick: bool, steps: int | None, capacity: str | None) -> dict:
+    """The job: ``QUICK`` or ``FULL``, with the command line's steps and capacity when given."""
+    cfg = dict(QUICK if quick else FULL)
+    if steps is not None:
+        cfg["steps"] = steps
+    if capacity is not None:
+        cfg["capacity"] = capacity
+    return cfg
+
+
+def build_model(cfg: dict) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"], layers=cfg["layers"],
+                   max_len=cfg["max_len"])
+
+
+def length_plan(model: TinyGPT, cfg: dict, *, max_batch_size: int) -> Any:
+    """``find_batch_size_for(..., lengths=cfg["table"])`` on a copy of ``model``, at the job's longest length."""
+    probe = copy.deepcopy(model)
+    example = padded_lm_batch([cfg["max_len"]] * 2, vocab=cfg["vocab"])
+    return find_batch_size_for(probe, example, optimizer=torch.optim.SGD(probe.parameters(), lr=0.05),
+                               loss_fn=lm_loss, capacity=cfg["capacity"], lengths=cfg["table"],
+                               max_batch_size=max_batch_size, timed_steps=0)
+
+
+def arm_engine(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: dict, plan: Any) -> Engine:
+    """The engine of arm ``name``: ``fixed`` at the plan's longest length, else sized by length (``split``)."""
     kwargs: dict[str, Any] = dict(global_batch_size=cfg["global_batch"], config=EngineConfig(capacity=cfg["capacity"]))
     if name == "fixed":
         kwargs["micro_batch_size"] = plan.per_length[max(plan.per_length)]
     else:
         kwargs.update(start=plan, lengths=LengthConfig(split=name.endswith("split")))
-    engine = Engine(model, opt, lm_loss, noise=False, **kwargs)
+    return Engine(model, opt, lm_loss, noise=False, **kwargs)
+
+
+def run_arm(name: str, model: TinyGPT, batches: list, cfg: dict, plan: Any) -> dict[str, Any]:
+    """Train one arm under the emulated capacity; record every step's micro-batches."""
+    model = copy.deepcopy(model)
+    engine = arm_engine(name, model, torch.optim.SGD(model.parameters(), lr=0.05), cfg, plan)
     steps = []
     t0, c0 = time.perf_counter(), time.thread_time()
     with emulate_capacity(cfg["capacity"]):
@@ -166,22 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-rounds", type=int, default=1, help="replays per arm, the fastest counting (default: %(default)s)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cfg = dict(QUICK if args.quick else FULL)
-    if args.steps is not None:
-        cfg["steps"] = args.steps
-    if args.capacity is not None:
-        cfg["capacity"] = args.capacity
+    cfg = job_config(args.quick, args.steps, args.capacity)
     torch.set_num_threads(1)  # one thread: times by the thread's CPU time, which others cannot stretch
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"], layers=cfg["layers"],
-                    max_len=cfg["max_len"])
+    model = build_model(cfg)
     batches = make_batches(cfg)
-    probe = copy.deepcopy(model)
     t0 = time.perf_counter()
-    example = padded_lm_batch([cfg["max_len"]] * 2, vocab=cfg["vocab"])
-    plan = find_batch_size_for(probe, example, optimizer=torch.optim.SGD(probe.parameters(), lr=0.05),
-                               loss_fn=lm_loss, capacity=cfg["capacity"], lengths=cfg["table"],
-                               max_batch_size=cfg["global_batch"], timed_steps=0)
+    plan = length_plan(model, cfg, max_batch_size=cfg["global_batch"])
     find_seconds = time.perf_counter() - t0
     print(f"per-length plan ({len(plan.length_plans)} searches, {sum(p.num_trials for p in plan.length_plans.values())} "
           f"trials, {find_seconds:.1f}s) under {cfg['capacity']}: "

@@ -35,14 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import machine  # noqa: E402
 from _torchrun import finish, launch_under_torchrun  # noqa: E402
-from lengths import FULL, QUICK, make_batches, reference  # noqa: E402
+from lengths import arm_engine, build_model, job_config, length_plan, make_batches, reference  # noqa: E402
 
-from batchpilot import Engine, EngineConfig, find_batch_size_for  # noqa: E402
 from batchpilot import distributed as bd  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.engine_lengths import LengthConfig  # noqa: E402
 from batchpilot.memory import emulate_capacity  # noqa: E402
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch  # noqa: E402
+from batchpilot.models import TinyGPT  # noqa: E402
 from batchpilot.seqbatch import trim_batch  # noqa: E402
 
 RANKS = 2
@@ -61,13 +59,7 @@ def rank_half(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tens
 def run_arm(name: str, model: TinyGPT, batches: Any, cfg: dict, plan: Any, rank: int) -> dict[str, Any]:
     model = copy.deepcopy(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    kwargs: dict[str, Any] = dict(global_batch_size=cfg["global_batch"], config=EngineConfig(capacity=cfg["capacity"]))
-    if name == "fixed":
-        kwargs["micro_batch_size"] = plan.per_length[max(plan.per_length)]
-    else:
-        kwargs.update(start=plan, lengths=LengthConfig(split=name.endswith("split")))
-    engine = Engine(ddp, opt, lm_loss, noise=False, **kwargs)
+    engine = arm_engine(name, ddp, torch.optim.SGD(model.parameters(), lr=0.05), cfg, plan)
     ooms, micro = [], []
     dist.barrier()
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -91,22 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     launch_under_torchrun(__file__, RANKS)
     bd.init_distributed(backend="gloo", timeout=timedelta(seconds=600))
     rank = bd.rank()
-    cfg = dict(QUICK if args.quick else FULL)
-    if args.steps is not None:
-        cfg["steps"] = args.steps
-    if args.capacity is not None:
-        cfg["capacity"] = args.capacity
+    cfg = job_config(args.quick, args.steps, args.capacity)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"], layers=cfg["layers"],
-                    max_len=cfg["max_len"])
+    model = build_model(cfg)
     batches = make_batches(cfg)
-    probe = copy.deepcopy(model)
-    example = padded_lm_batch([cfg["max_len"]] * 2, vocab=cfg["vocab"])
     # the same search on every rank (same model, same emulated device): the same plan everywhere
-    plan = find_batch_size_for(probe, example, optimizer=torch.optim.SGD(probe.parameters(), lr=0.05),
-                               loss_fn=lm_loss, capacity=cfg["capacity"], lengths=cfg["table"],
-                               max_batch_size=cfg["global_batch"] // RANKS, timed_steps=0)
+    plan = length_plan(model, cfg, max_batch_size=cfg["global_batch"] // RANKS)
     arms = [run_arm(name, model, batches, cfg, plan, rank) for name in ("fixed", "by length", "by length + split")]
     local = [{"cpu": a["cpu"], "wall": a["wall"], "micro": a["micro"], "ooms": a["ooms"],
               "params": [p.detach() for p in a["model"].parameters()]} for a in arms]
