@@ -143,6 +143,7 @@ class LengthSizer:
         self._events: list[tuple] = []  # what this rank learnt since the last exchange (several ranks)
         self._owner = True  # this rank holds the step's length (its search lines are the ones kept)
         self._synced = self._world == 1
+        self._retry = False  # the step's next cut follows an attempt (whose lessons are to exchange)
         if plan is not None:
             self.budget = plan.budget(engine.per_rank_batch_size)
             # the finder's trials ran one micro-batch each; a step that accumulates runs its later
@@ -226,6 +227,7 @@ class LengthSizer:
         else:
             e.policy.adopt(micro)
         e.micro_batch_size = self._step_micro = e.policy.micro
+        self._retry = False
         e.micro_batch_reason = f"sized for length {L}: the memory model allows {allowed} samples"
 
     def _search_lines(self, split: BatchSplitter, L: int) -> None:
@@ -299,8 +301,9 @@ class LengthSizer:
         (:meth:`take` builds each), each micro-batch's budget scaled by how far an OOM retry
         has shrunk ``micro``.
         """
-        if self._world > 1:
+        if self._world > 1 and self._retry:
             self._exchange()  # a retry is cut by what every rank's attempt taught
+        self._retry = True
         if not self.config.split:
             self.sizes, self.widths = list(sizes), [self.length] * len(sizes)
             return sizes, None
