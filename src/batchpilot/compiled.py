@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .batch import BatchSplitter
+from .seqbatch import padded_length
 from .oom import attempt
 
 __all__ = [
@@ -147,9 +148,10 @@ def mark_batch_dynamic(batch: Any, layout: Any = None, *, seq_dim: int | None = 
         return batch  # nothing readable to mark: dynamo's automatic dynamic shapes take over
     width = 0
     if seq_dim is not None:
-        widths: list[int] = []
-        split.map_rows(lambda t: widths.append(int(t.shape[seq_dim])) if t.dim() > seq_dim else None)
-        width = max(widths, default=0)
+        try:
+            width = padded_length(split, seq_dim=seq_dim)
+        except ValueError:  # no per-sample tensor has that dim: only the batch dim is marked
+            width = 0
 
     def mark(t: torch.Tensor) -> torch.Tensor:
         if split.size > 1:
