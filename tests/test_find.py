@@ -382,18 +382,6 @@ def test_make_batch_fn():
         make_batch_fn((torch.zeros(3), torch.zeros(4)))
 
 
-def test_deprecated_spellings_still_work_and_warn():
-    model, opt, batch = setup("mlp")
-    with pytest.warns(DeprecationWarning, match="amp_dtype"):
-        a = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
-                                capacity=CAPACITY, strategy="power", max_batch_size=8)
-    criterion = nn.CrossEntropyLoss()
-    with pytest.warns(DeprecationWarning, match="forward"):
-        b = find_batch_size_for(model, batch, optimizer=opt, forward=lambda m, bt: criterion(m(bt[0]), bt[1]),
-                                capacity=CAPACITY, strategy="power", max_batch_size=8)
-    assert a.batch_size == b.batch_size == 8
-
-
 def test_snapshot_refuses_unknown_objects():
     with pytest.raises(TypeError, match="cannot snapshot"):
         StateSnapshot([object()])

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
@@ -818,8 +817,6 @@ def find_batch_size_for(
     split_fn: SplitFn | None = None,
     objective: Literal["memory", "throughput"] | None = None,
     search: Callable[..., BatchPlan] | None = None,
-    forward: Callable[[nn.Module, Any], Any] | None = None,
-    amp_dtype: torch.dtype | None = None,
     lengths: Iterable[int] | None = None,
     seq_dim: int | None = None,
     **options: Any,
@@ -859,8 +856,6 @@ def find_batch_size_for(
         search: the search the step runs under, called as ``search(step, device=, restore=,
             **options)``: :func:`find_batch_size` (default), or
             :func:`batchpilot.distributed.find_batch_size_distributed` to agree across ranks.
-        forward: deprecated: pass the same function as ``loss_fn``.
-        amp_dtype: deprecated spelling of ``amp``.
         lengths: sequence lengths to answer for (padded LM batches): a real search runs at two
             or three of them (those within 8× of the longest: see
             :func:`batchpilot.find_lengths.choose_fit_lengths`) on
@@ -889,8 +884,7 @@ def find_batch_size_for(
         return find_per_length(
             find_batch_size_for, model, batch, lengths=lengths, seq_dim=seq_dim, optimizer=optimizer,
             loss_fn=loss_fn, mode=mode, amp=amp, scaler=scaler, restore=restore, plan_first=plan_first,
-            shared=shared, split_fn=split_fn, objective=objective, search=search, forward=forward,
-            amp_dtype=amp_dtype, **options,
+            shared=shared, split_fn=split_fn, objective=objective, search=search, **options,
         )
     if _sharded_over_ranks(model):
         raise ValueError(
@@ -900,16 +894,6 @@ def find_batch_size_for(
         )
     options["objective"] = check_objective(objective if objective is not None else _DEFAULT_OBJECTIVE[mode],
                                            error=BatchSizeError)
-    if amp_dtype is not None:
-        warnings.warn("find_batch_size_for(amp_dtype=) is deprecated; pass amp='bf16' / 'fp16'",
-                      DeprecationWarning, stacklevel=2)
-        amp = amp if amp is not None else amp_dtype
-    if forward is not None:
-        warnings.warn("find_batch_size_for(forward=) is deprecated; pass the same function as "
-                      "loss_fn=lambda model, batch: loss", DeprecationWarning, stacklevel=2)
-        if loss_fn is not None:
-            raise ValueError("pass loss_fn or forward, not both: they are the same function")
-        loss_fn = forward
     dtype = _amp_dtype(amp)
     if mode == "train" and optimizer is None:
         raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
