@@ -36,8 +36,8 @@ from torch.nn import functional as F
 
 from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig
-from batchpilot.fsdp import shard_model
 from batchpilot.models import MLP, TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.sharding import shard_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _torchrun import finish, launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402

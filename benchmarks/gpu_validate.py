@@ -60,17 +60,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import allocator_peak, largest_fitting, machine  # noqa: E402
 from speed import geometric_sizes, interleaved_sweep  # noqa: E402
 
+from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
 from batchpilot.find import find_batch_size, find_batch_size_for  # noqa: E402
-from batchpilot.fsdp import shard_model  # noqa: E402
 from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
 from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track_peak  # noqa: E402
 from batchpilot.models import MLP  # noqa: E402
 from batchpilot.noise import NoiseConfig  # noqa: E402
 from batchpilot.oom import attempt, free_memory  # noqa: E402
 from batchpilot.plan import default_step, estimate_peak_memory  # noqa: E402
-from batchpilot.app.report import format_table, write_json  # noqa: E402
+from batchpilot.sharding import shard_model  # noqa: E402
 from batchpilot.snapshot import StateSnapshot  # noqa: E402
 from batchpilot.speed import choose_split  # noqa: E402
 from batchpilot.timing import step_clock  # noqa: E402

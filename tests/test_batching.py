@@ -11,13 +11,13 @@ import torch.distributed as dist
 from batchpilot.batching import (
     config_for_limit,
     ADAPTIVE_OPTIMIZERS,
-    LR_SCALE_RULES,
     BatchConfig,
     is_adaptive,
     rescale_lr,
     scale_lr,
     split_sizes,
 )
+from batchpilot.schedule import LR_SCALE_RULES
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from batchpilot import find_batch_size_for
-from batchpilot.find_lengths import LengthPlan, choose_fit_lengths
+from batchpilot.find_lengths import LengthPlan
+from batchpilot.lengths import choose_fit_lengths
 from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
 
 CAP = "1MiB"
@@ -62,9 +63,10 @@ def test_bad_input_fails_before_any_trial(kwargs, match) -> None:
 def test_fit_lengths_sequences() -> None:
     import doctest
 
-    from batchpilot import find_lengths
-
-    result = doctest.testmod(find_lengths)
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(choose_fit_lengths):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
     assert result.attempted >= 2 and result.failed == 0
     assert choose_fit_lengths((16, 32, 64, 128, 256, 384, 512)) == (64, 256, 512)  # within 8x; the tie goes long
     assert choose_fit_lengths((16, 512)) == (16, 512)

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from ._checks import check_int, positive_int
+from .schedule import LR_SCALE_RULES
 from .ranks import world_size as _default_world_size
 
 __all__ = [
     "ADAPTIVE_NAME_MARKERS",
     "ADAPTIVE_OPTIMIZERS",
-    "LR_SCALE_RULES",
     "BatchConfig",
     "config_for_limit",
     "is_adaptive",
@@ -35,9 +35,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Accepted values of ``rule`` in :func:`scale_lr` and :func:`rescale_lr`.
-LR_SCALE_RULES: tuple[str, ...] = ("auto", "linear", "sqrt", "none")
 
 #: torch optimizers that adapt a per-parameter step size; ``auto`` scales their LR by sqrt.
 ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (

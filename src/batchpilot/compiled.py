@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from .batch import BatchSplitter
 from .seqbatch import padded_length
-from .oom import attempt
 
 __all__ = [
     "is_compiled",
@@ -40,7 +39,6 @@ __all__ = [
     "mark_batch_dynamic",
     "no_single_tail",
     "compiled_floor",
-    "warm_up",
 ]
 
 logger = logging.getLogger(__name__)
@@ -196,18 +194,3 @@ def compiled_floor(min_batch_size: int, max_batch_size: int | None) -> int:
     if min_batch_size == 1 and (max_batch_size is None or max_batch_size >= 2):
         return 2
     return min_batch_size
-
-
-def warm_up(step: Callable[[int], Any], batch_size: int, *, device: torch.device, after: Callable[[], Any]) -> int:
-    """Run ``step(batch_size)`` once, unmeasured, so dynamo compiles before any trial is measured.
-
-    Compiling takes host memory and time that no trial should be charged for. ``after`` puts the
-    state back (the finder's snapshot restore); it runs also when the step runs out of memory,
-    which is left for the trials to find. Other errors propagate. Returns the graphs compiled.
-    """
-    counter = CompileCounter()
-    outcome = attempt(step, batch_size, device=device, on_oom=after)
-    if not outcome.oom:
-        after()
-    logger.info("warm-up at batch %d: %d graph(s) compiled", batch_size, counter.count)
-    return counter.count

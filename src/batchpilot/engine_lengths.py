@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -31,12 +31,13 @@ from .lengths import LengthBudget, UnverifiedLengthError, fit_lengths, split_int
 from .memory import format_bytes
 from .seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 __all__ = ["LengthConfig", "LengthSizer", "make_sizer"]
 
 logger = logging.getLogger(__name__)
+
+#: the :class:`~batchpilot.engine.Engine` a sizer serves: not imported, the engine imports this
+#: module and never the other way round
+EngineLike = Any
 
 #: lines refitted after a verification: the longest lengths, where memory runs out first
 _REFIT_LENGTHS = 3
@@ -88,7 +89,7 @@ class LengthConfig:
         return None if self.length_fn is not None else 1
 
 
-def make_sizer(engine: Engine, lengths: LengthConfig | bool | None, plan: Any) -> LengthSizer | None:
+def make_sizer(engine: EngineLike, lengths: LengthConfig | bool | None, plan: Any) -> LengthSizer | None:
     """The engine's sizer, or ``None`` (no ``lengths`` and no :class:`LengthPlan` start).
 
     Raises:
@@ -124,7 +125,7 @@ def make_sizer(engine: Engine, lengths: LengthConfig | bool | None, plan: Any) -
 class LengthSizer:
     """Picks each step's micro-batch from its length; see the module docstring for the call order."""
 
-    def __init__(self, engine: Engine, config: LengthConfig, plan: LengthPlan | None) -> None:
+    def __init__(self, engine: EngineLike, config: LengthConfig, plan: LengthPlan | None) -> None:
         self.engine = engine
         self.config = config
         self.budget: LengthBudget | None = None

@@ -22,12 +22,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._checks import check_int, positive_int
-from .amp import amp_dtype as _amp_dtype
-from .amp import autocast
+from .amp import amp_dtype as _amp_dtype, autocast
 from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
-from .compiled import CompileCounter, compiled_floor, is_compiled, mark_batch_dynamic, warm_up
-from .loss import LossFn, as_loss_fn, forward_only, parse_loss
+from .compiled import CompileCounter, compiled_floor, is_compiled, mark_batch_dynamic
 from .gauge import Gauge, gauge_for
+from .loss import LossFn, as_loss_fn, forward_only, parse_loss
 from .memory import (
     active_tracker, emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak, view_extent,
 )
@@ -473,6 +472,21 @@ def find_batch_size(
     return plan
 
 
+def warm_up(step: Callable[[int], Any], batch_size: int, *, device: torch.device, after: Callable[[], Any]) -> int:
+    """Run ``step(batch_size)`` once, unmeasured, so dynamo compiles before any trial is measured.
+
+    Compiling takes host memory and time that no trial should be charged for. ``after`` puts the
+    state back (the finder's snapshot restore); it runs also when the step runs out of memory,
+    which is left for the trials to find. Other errors propagate. Returns the graphs compiled.
+    """
+    counter = CompileCounter()
+    outcome = attempt(step, batch_size, device=device, on_oom=after)
+    if not outcome.oom:
+        after()
+    logger.info("warm-up at batch %d: %d graph(s) compiled", batch_size, counter.count)
+    return counter.count
+
+
 def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace, minimum: int,
                  trial_fn: _TrialRunner, report: Callable[[Trial], None], revise: Callable) -> SearchResult:
     """Nothing fitted from the compiled floor up: try ``minimum`` too (one more compilation)."""
@@ -858,7 +872,7 @@ def find_batch_size_for(
             :func:`batchpilot.distributed.find_batch_size_distributed` to agree across ranks.
         lengths: sequence lengths to answer for (padded LM batches): a real search runs at two
             or three of them (those within 8× of the longest: see
-            :func:`batchpilot.find_lengths.choose_fit_lengths`) on
+            :func:`batchpilot.lengths.choose_fit_lengths`) on
             the example batch trimmed to each on ``seq_dim`` (or ``batch(batch_size, length)`` when
             ``batch`` is a function), and their memory lines fit ``peak ≈ F(L) + b·P(L)``
             (:mod:`batchpilot.lengths`). Returns a :class:`batchpilot.find_lengths.LengthPlan`:

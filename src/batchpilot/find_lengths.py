@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .find import BatchPlan
-from .lengths import LengthBudget, LengthFit, check_lengths, fit_lengths
+from .lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
 from .search import BatchSizeError
-from .seqbatch import padded_length, trim_batch
+from .seqbatch import length_batch_fn
 
-__all__ = ["LengthPlan", "choose_fit_lengths", "find_per_length", "length_batch_fn"]
+__all__ = ["LengthPlan", "find_per_length"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,50 +70,6 @@ class LengthPlan(BatchPlan):
 
 def _fitting(plan: BatchPlan) -> int:
     return int(plan.largest_fitting or plan.batch_size)
-
-
-def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
-    """The lengths to search at: up to three, from those within 8× of the longest.
-
-    Much shorter sequences are left to the model: there the fixed memory (weights, optimizer
-    state) hides the per-sample cost, and their lines say little about the long lengths that
-    run out of memory. All of them up to three, else the shortest, the longest and the one
-    nearest their geometric mean, the longer on a tie (all of ``lengths`` when fewer than two
-    are within 8×):
-
-    >>> choose_fit_lengths((128, 256, 512, 1024, 2048))
-    (256, 1024, 2048)
-    >>> choose_fit_lengths((16, 512))
-    (16, 512)
-    """
-    near = tuple(L for L in lengths if 8 * L >= lengths[-1])
-    pool = near if len(near) >= 2 else lengths
-    if len(pool) <= 3:
-        return pool
-    middle = math.sqrt(pool[0] * pool[-1])
-    # ties go to the longer length: memory runs out at the long end
-    mid = min(pool[1:-1], key=lambda L: (round(abs(math.log(L / middle)), 9), -L))
-    return (pool[0], mid, pool[-1])
-
-
-def length_batch_fn(batch: Any, lengths: tuple[int, ...], *, seq_dim: int | None) -> Callable[[int], Any]:
-    """``length -> example batch`` (trimmed copy), or ``length -> (b -> batch(b, length))`` for a function.
-
-    Raises:
-        ValueError: the declared ``seq_dim`` is missing, or the example batch is shorter than
-            the longest length.
-    """
-    if callable(batch) and not isinstance(batch, torch.Tensor):
-        return lambda L: (lambda b: batch(b, L))
-    dim = 1 if seq_dim is None else seq_dim
-    width = padded_length(batch, seq_dim=dim)
-    if width < lengths[-1]:
-        raise ValueError(
-            f"the example batch is {width} long on seq_dim={dim}, shorter than the longest length {lengths[-1]}; pass "
-            f"an example padded to {lengths[-1]} (e.g. padded_lm_batch(..., pad_to={lengths[-1]})) or a function "
-            "(batch_size, length) -> batch"
-        )
-    return lambda L: trim_batch(batch, L, seq_dim=dim, width=width, copy=True)
 
 
 def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, lengths: Any,

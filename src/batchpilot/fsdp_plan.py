@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .fsdp import _param_groups, is_fsdp, shard_model
 from .plan import PlanningError
+from .sharding import _param_groups, is_fsdp, shard_model
 
 __all__ = ["SHARDINGS", "ShardFn", "FakeShards", "fake_process_group"]
 

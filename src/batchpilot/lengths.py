@@ -25,6 +25,7 @@ __all__ = [
     "LengthBudget",
     "UnverifiedLengthError",
     "check_lengths",
+    "choose_fit_lengths",
     "fit_lengths",
     "fit_lengths_for",
     "plan_length_split",
@@ -461,3 +462,27 @@ def plan_length_split(lengths: Sequence[int], budget: Callable[[int], int]) -> l
         out.append((take, longest))
         i += len(take)
     return out
+
+
+def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """The lengths to search at: up to three, from those within 8× of the longest.
+
+    Much shorter sequences are left to the model: there the fixed memory (weights, optimizer
+    state) hides the per-sample cost, and their lines say little about the long lengths that
+    run out of memory. All of them up to three, else the shortest, the longest and the one
+    nearest their geometric mean, the longer on a tie (all of ``lengths`` when fewer than two
+    are within 8×):
+
+    >>> choose_fit_lengths((128, 256, 512, 1024, 2048))
+    (256, 1024, 2048)
+    >>> choose_fit_lengths((16, 512))
+    (16, 512)
+    """
+    near = tuple(L for L in lengths if 8 * L >= lengths[-1])
+    pool = near if len(near) >= 2 else lengths
+    if len(pool) <= 3:
+        return pool
+    middle = math.sqrt(pool[0] * pool[-1])
+    # ties go to the longer length: memory runs out at the long end
+    mid = min(pool[1:-1], key=lambda L: (round(abs(math.log(L / middle)), 9), -L))
+    return (pool[0], mid, pool[-1])

@@ -31,12 +31,12 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._checks import positive_int
 from .amp import amp_dtype, autocast
 from .batch import BatchLayout, BatchSplitter
 from .compiled import eager_while_tracked
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .loss import as_loss_fn, forward_only, parse_loss
-from ._checks import positive_int
 from .memory import format_bytes, parse_bytes, tensor_storages, watch_storage_resizes, wraps_subclass
 
 __all__ = [
@@ -679,7 +679,7 @@ def estimate_peak_memory(
             model under ``fully_shard`` (over a fake process group: no other process runs);
             ``None`` (the default) plans the whole model on one device.
         shard_fn: ``shard_fn(model, mesh)`` calling ``fully_shard`` your way; default
-            :func:`batchpilot.fsdp.shard_model` (each block, then the root).
+            :func:`batchpilot.sharding.shard_model` (each block, then the root).
 
     Returns:
         The peak and its breakdown at the moment of the peak.

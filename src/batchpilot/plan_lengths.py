@@ -1,6 +1,6 @@
 """The planner over sequence lengths: the largest batch at each length, for a device you don't have.
 
-At two or three lengths (:func:`batchpilot.find_lengths.choose_fit_lengths`) the planner
+At two or three lengths (:func:`batchpilot.lengths.choose_fit_lengths`) the planner
 (:func:`batchpilot.plan.plan_batch_size`, fake tensors) finds the exact boundary; the estimates
 on either side of it give the memory line at that length, and the lines fit the 2-D model of
 :mod:`batchpilot.lengths`, which answers every other length.
@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .find_lengths import choose_fit_lengths, length_batch_fn
-from .lengths import LengthBudget, LengthFit, check_lengths, fit_lengths
+from .lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
 from .plan import PlanResult, plan_batch_size
+from .seqbatch import length_batch_fn
 
 __all__ = ["LengthPlanResult", "plan_per_length"]
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from ._checks import check_int, positive_int
 
 __all__ = [
+    "LR_SCALE_RULES",
     "AdaptiveSchedule",
     "BatchSchedule",
     "ConstantSchedule",
@@ -24,6 +25,10 @@ __all__ = [
     "parse_schedule",
     "round_to_multiple",
 ]
+
+#: Accepted LR scaling rules: a schedule's ``lr_rule``, ``rule`` in
+#: :func:`batchpilot.batching.scale_lr` and :func:`batchpilot.batching.rescale_lr`.
+LR_SCALE_RULES: tuple[str, ...] = ("auto", "linear", "sqrt", "none")
 
 #: The spellings :func:`parse_schedule` accepts (and ``batchpilot train --batch-schedule``).
 SCHEDULE_SPECS = ("constant | ramp:START,INCR,SAMPLES | "
@@ -87,8 +92,6 @@ class BatchSchedule:
     reads_noise: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        from .batching import LR_SCALE_RULES  # the one home of the rule names (torch-side)
-
         if self.lr_rule not in LR_SCALE_RULES:
             raise ValueError(f"lr_rule must be one of {', '.join(LR_SCALE_RULES)}, got {self.lr_rule!r}")
 

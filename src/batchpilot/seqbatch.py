@@ -16,7 +16,7 @@ import torch
 from ._checks import check_int, positive_int
 from .batch import BatchLayout, BatchSplitter
 
-__all__ = ["LengthFn", "padded_length", "trim_batch", "sample_lengths", "gather_rows"]
+__all__ = ["LengthFn", "padded_length", "trim_batch", "sample_lengths", "gather_rows", "length_batch_fn"]
 
 #: ``length_fn(batch) -> the batch's padded sequence length``
 LengthFn = Callable[[Any], int]
@@ -125,3 +125,23 @@ def gather_rows(split: BatchSplitter, index: list[int]) -> Any:
         return t.index_select(0, idx)
 
     return split.map_rows(rows, lambda seq: type(seq)(seq[i] for i in index))
+
+
+def length_batch_fn(batch: Any, lengths: tuple[int, ...], *, seq_dim: int | None) -> Callable[[int], Any]:
+    """``length -> example batch`` (trimmed copy), or ``length -> (b -> batch(b, length))`` for a function.
+
+    Raises:
+        ValueError: the declared ``seq_dim`` is missing, or the example batch is shorter than
+            the longest length.
+    """
+    if callable(batch) and not isinstance(batch, torch.Tensor):
+        return lambda L: (lambda b: batch(b, L))
+    dim = 1 if seq_dim is None else seq_dim
+    width = padded_length(batch, seq_dim=dim)
+    if width < lengths[-1]:
+        raise ValueError(
+            f"the example batch is {width} long on seq_dim={dim}, shorter than the longest length {lengths[-1]}; pass "
+            f"an example padded to {lengths[-1]} (e.g. padded_lm_batch(..., pad_to={lengths[-1]})) or a function "
+            "(batch_size, length) -> batch"
+        )
+    return lambda L: trim_batch(batch, L, seq_dim=dim, width=width, copy=True)

@@ -34,15 +34,15 @@ import torch
 from torch import nn
 
 from ..amp import AMP_MODES, amp_dtype, autocast
-from ..batching import LR_SCALE_RULES, is_adaptive, scale_lr
+from ..batching import is_adaptive, scale_lr
 from ..data import ElasticBatchSampler
 from ..engine import Engine, EngineConfig, StepResult
-from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from ..loss import supervised_loss
+from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from ..models import MLP, SmallCNN
 from ..noise import NOISE_MODES, NoiseConfig
 from ..oom import is_oom
-from ..schedule import BatchSchedule, ConstantSchedule, parse_schedule
+from ..schedule import BatchSchedule, ConstantSchedule, LR_SCALE_RULES, parse_schedule
 from ..search import STRATEGIES
 from . import report
 from .datasets import DigitsSplit, load_digits

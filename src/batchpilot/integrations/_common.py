@@ -10,9 +10,10 @@ from types import ModuleType
 from typing import Any
 
 from .._checks import positive_int
-from ..batching import LR_SCALE_RULES, BatchConfig, config_for_limit, is_adaptive
+from ..batching import BatchConfig, config_for_limit, is_adaptive
 from ..find import BatchPlan, FinderConfig
 from ..policy import efficient_size
+from ..schedule import LR_SCALE_RULES
 
 __all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "lr_rule_for"]
 
