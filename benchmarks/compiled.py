@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import BENCH_MODELS, QUICK_MODELS, allocator_peak, cap_address_space, child_env, machine  # noqa: E402
 
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.memory import format_bytes  # noqa: E402
+from batchpilot.units import format_bytes  # noqa: E402
 
 MiB = 2**20
 COLUMNS = ("model", "program", "compile s", "graphs", "peak @b (allocator)", "plan @b", "plan / peak",

@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from batchpilot.find import find_batch_size_for, make_batch_fn
-from batchpilot.memory import format_bytes, parse_bytes, track_peak
 from batchpilot.models import MODEL_NAMES, build_model, example_batch
+from batchpilot.probes import track_peak
 from batchpilot.search import STRATEGIES
+from batchpilot.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("benchmarks.finder")
 

@@ -65,7 +65,8 @@ from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
 from batchpilot.find import find_batch_size, find_batch_size_for  # noqa: E402
 from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
-from batchpilot.memory import emulate_capacity, format_bytes, parse_bytes, track_peak  # noqa: E402
+from batchpilot.probes import emulate_capacity, track_peak
+from batchpilot.units import format_bytes, parse_bytes  # noqa: E402
 from batchpilot.models import MLP  # noqa: E402
 from batchpilot.noise import NoiseConfig  # noqa: E402
 from batchpilot.oom import attempt, free_memory  # noqa: E402

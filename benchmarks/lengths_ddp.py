@@ -39,8 +39,8 @@ from lengths import arm_engine, build_model, job_config, length_plan, make_batch
 
 from batchpilot import distributed as bd  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.memory import emulate_capacity  # noqa: E402
 from batchpilot.models import TinyGPT  # noqa: E402
+from batchpilot.probes import emulate_capacity  # noqa: E402
 from batchpilot.seqbatch import trim_batch  # noqa: E402
 
 RANKS = 2

@@ -425,7 +425,7 @@ def _guess(model: str, cap_mib: int, quick: bool) -> int:
     """A starting point for the bisection: tracked peak at two small batches, solved for the cap."""
     import torch
 
-    from batchpilot.memory import track_peak
+    from batchpilot.probes import track_peak
 
     torch.set_num_threads(1)
     w = Workload.build(model, quick=quick)

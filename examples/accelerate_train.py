@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from batchpilot.batching import BatchConfig
 from batchpilot.integrations.accelerate import find_executable_batch_size
-from batchpilot.memory import emulate_capacity
+from batchpilot.probes import emulate_capacity
 from batchpilot.ranks import rank, world_size
 
 

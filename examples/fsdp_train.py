@@ -31,8 +31,8 @@ from torch.utils.data import TensorDataset
 from batchpilot import distributed as bd
 from batchpilot.data import ElasticBatchSampler, ElasticLoader
 from batchpilot.engine import Engine
-from batchpilot.memory import emulate_capacity
 from batchpilot.models import MLP
+from batchpilot.probes import emulate_capacity
 
 
 def load_data() -> TensorDataset:

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from batchpilot.engine import Engine
-from batchpilot.memory import track_peak
 from batchpilot.loss import supervised_loss
 from batchpilot.models import MLP, SmallCNN, example_batch
+from batchpilot.probes import track_peak
 
 GLOBAL = {"mlp": 64, "cnn": 16}
 

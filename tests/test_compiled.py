@@ -20,7 +20,7 @@ from batchpilot.compiled import (
 )
 from batchpilot.engine import EngineConfig
 from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
-from batchpilot.memory import track_peak
+from batchpilot.probes import track_peak
 
 
 class CountingBackend:

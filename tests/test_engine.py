@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from batchpilot.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
-from batchpilot.memory import emulate_capacity
 from batchpilot.loss import supervised_loss
+from batchpilot.probes import emulate_capacity
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 

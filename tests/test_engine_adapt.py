@@ -9,8 +9,8 @@ import torch
 
 import batchpilot.engine as engine_mod
 from batchpilot.engine import Engine, EngineConfig
-from batchpilot.memory import emulate_capacity, track_peak
 from batchpilot.models import MLP
+from batchpilot.probes import emulate_capacity, track_peak
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 

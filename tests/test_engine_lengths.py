@@ -11,8 +11,8 @@ import torch
 from batchpilot import Engine, EngineConfig
 from batchpilot.engine_lengths import LengthConfig
 from batchpilot.lengths import UnverifiedLengthError
-from batchpilot.memory import emulate_capacity
 from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.probes import emulate_capacity
 
 CAP = "1MiB"
 N = 16

@@ -7,7 +7,7 @@ import torch
 
 from batchpilot.engine import Engine, EngineConfig
 from batchpilot.find import BatchPlan
-from batchpilot.memory import emulate_capacity
+from batchpilot.probes import emulate_capacity
 from batchpilot.search import Trial
 
 from engine_utils import CE, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401

@@ -14,7 +14,7 @@ import pytest
 
 from batchpilot.batching import BatchConfig
 from batchpilot.engine import Coordinator, Engine, EngineConfig, LocalCoordinator
-from batchpilot.memory import emulate_capacity
+from batchpilot.probes import emulate_capacity
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params  # noqa: F401
 

@@ -25,10 +25,12 @@ from batchpilot.find import (
     find_batch_size_for,
     make_batch_fn,
 )
-from batchpilot.memory import active_tracker, emulate_capacity, parse_bytes, track_peak
 from batchpilot.models import build_model, example_batch
+from batchpilot.probes import emulate_capacity, track_peak
 from batchpilot.search import OOM
 from batchpilot.snapshot import StateSnapshot
+from batchpilot.tracker import active_tracker
+from batchpilot.units import parse_bytes
 
 CAPACITY = parse_bytes("4MiB")
 
@@ -428,7 +430,7 @@ def test_nothing_fits_reports_the_smallest_peak_and_capacity(capacity):
     cap = parse_bytes(capacity)
     assert err.capacity_bytes == cap and err.batch_size == 1 and err.peak_bytes is not None
     assert "batch size 1" in str(err) and f"({cap} bytes)" in str(err)
-    from batchpilot.memory import format_bytes
+    from batchpilot.units import format_bytes
     assert format_bytes(err.peak_bytes) in str(err)
     assert_same_state(before, state_of(model, opt))
 

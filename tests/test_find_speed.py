@@ -17,10 +17,10 @@ from batchpilot import timing
 from batchpilot.app.report import SCHEMAS, plan_record, to_json
 from batchpilot.find import BatchSizeError, _TrialRunner, find_batch_size, find_batch_size_for, make_batch_fn
 from batchpilot.gauge import Gauge
-from batchpilot.memory import active_tracker
 from batchpilot.search import SearchSpace
 from batchpilot.snapshot import StateSnapshot
 from batchpilot.speed import ThroughputSearch, choose_fastest
+from batchpilot.tracker import active_tracker
 
 from test_find import CAPACITY, assert_same_state, setup, state_of
 

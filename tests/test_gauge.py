@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from batchpilot.gauge import DeviceGauge, ResidentGauge, TensorGauge, gauge_for
-from batchpilot.memory import StorageTracker, emulate_capacity
+from batchpilot.probes import emulate_capacity
+from batchpilot.tracker import StorageTracker
 
 GiB, MiB = 2**30, 2**20
 

@@ -13,8 +13,8 @@ from batchpilot import lengths as lengths_mod
 from batchpilot.lengths import (
     LengthBudget, LengthFit, UnverifiedLengthError, check_lengths, fit_lengths, fit_lengths_for, plan_length_split,
 )
-from batchpilot.memory import track_peak
 from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.probes import track_peak
 
 
 def test_docstring_sequences() -> None:

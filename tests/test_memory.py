@@ -6,20 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.memory import (
-    StorageTracker,
-    active_tracker,
-    emulate_capacity,
-    format_bytes,
-    get_probe,
-    parse_bytes,
-    resolve_device,
-    track_peak,
-    untracked,
-)
 from batchpilot.models import MLP, SmallCNN
 from batchpilot.oom import is_oom
+from batchpilot.probes import emulate_capacity, get_probe, track_peak
 from batchpilot.snapshot import StateSnapshot
+from batchpilot.tracker import StorageTracker, active_tracker, untracked
+from batchpilot.units import format_bytes, parse_bytes, resolve_device
 
 
 def nbytes(t: torch.Tensor) -> int:

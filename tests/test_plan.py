@@ -10,7 +10,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from batchpilot.gpus import GPUS, CudaAccounting
-from batchpilot.memory import track_peak
 from batchpilot.models import MLP, SmallCNN, build_model, example_batch
 from batchpilot.plan import (
     MemoryEstimate,
@@ -20,6 +19,7 @@ from batchpilot.plan import (
     estimate_peak_memory,
     plan_batch_size,
 )
+from batchpilot.probes import track_peak
 
 
 class Checkpointed(nn.Module):

@@ -6,7 +6,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from batchpilot import timing
-from batchpilot.memory import StorageTracker, active_tracker, emulate_capacity
+from batchpilot.probes import emulate_capacity
+from batchpilot.tracker import StorageTracker, active_tracker
 
 
 def test_a_timed_step_is_synchronised_before_and_after(monkeypatch):

@@ -3,7 +3,7 @@
 Three facts about dynamo that batchpilot works around (details and numbers in
 ``docs/internals.md#compiled``):
 
-* a frame dynamo meets under a dispatch mode (a :class:`~batchpilot.memory.StorageTracker`,
+* a frame dynamo meets under a dispatch mode (a :class:`~batchpilot.tracker.StorageTracker`,
   the planner's counter) is skipped, and the skip is cached on its code object for the rest
   of the process: the model silently runs eager afterwards. :func:`eager_while_tracked` runs
   tracked work under the ``"force_eager"`` compile stance instead, which leaves dynamo's caches

@@ -20,24 +20,25 @@ from typing import Any, Iterable, Literal
 import torch
 from torch import nn
 
-from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from ._checks import positive_int as _positive_int
+from .amp import amp_dtype as _amp_dtype, autocast
+from .batch import BatchLayout, BatchSplitter, SplitFn
+from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from .compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from .coordinator import Coordinator, LocalCoordinator
 from .engine_lengths import LengthConfig, LengthSizer, make_sizer
 from .find import BatchPlan, find_batch_size
 from .gauge import Gauge, gauge_for
 from .host import trim_host_memory
-from .memory import active_tracker, format_bytes, get_probe, parse_bytes, resolve_device
-from .amp import amp_dtype as _amp_dtype
-from .amp import autocast
-from .batch import BatchLayout, BatchSplitter, SplitFn
 from .loss import as_loss_fn, parse_loss
 from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
 from .oom import attempt
 from .policy import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
+from .probes import get_probe
 from .schedule import BatchSchedule, SchedulePoint, parse_schedule
 from .speed import SPEED_TOLERANCE, SplitChoice, TimeCurve, check_speed_tolerance, choose_split
+from .tracker import active_tracker
+from .units import format_bytes, parse_bytes, resolve_device
 
 __all__ = [
     "BatchDoesNotFitError",

@@ -28,8 +28,8 @@ from ._checks import check_int
 from .batch import BatchSplitter, to_device
 from .find_lengths import LengthPlan
 from .lengths import LengthBudget, UnverifiedLengthError, fit_lengths, split_into
-from .memory import format_bytes
 from .seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
+from .units import format_bytes
 
 __all__ = ["LengthConfig", "LengthSizer", "make_sizer"]
 

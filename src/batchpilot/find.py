@@ -27,10 +27,8 @@ from .batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
 from .compiled import CompileCounter, compiled_floor, is_compiled, mark_batch_dynamic
 from .gauge import Gauge, gauge_for
 from .loss import LossFn, as_loss_fn, forward_only, parse_loss
-from .memory import (
-    active_tracker, emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak, view_extent,
-)
 from .oom import attempt, free_memory
+from .probes import emulate_capacity, get_probe, track_peak
 from .search import (
     FIT,
     OOM,
@@ -54,6 +52,8 @@ from .speed import (
     timed_fits,
 )
 from .timing import outside_trackers, step_clock, timed
+from .tracker import active_tracker, view_extent
+from .units import format_bytes, parse_bytes, resolve_device
 
 __all__ = [
     "BatchSizeError",
@@ -306,7 +306,7 @@ def find_batch_size(
     error.
 
     What is measured: with ``capacity`` on CPU or CUDA the trials run under
-    :func:`~batchpilot.memory.emulate_capacity` (tensor bytes on CPU, reserved bytes on CUDA);
+    :func:`~batchpilot.probes.emulate_capacity` (tensor bytes on CPU, reserved bytes on CUDA);
     without it, the device's real memory: on CPU the process's resident set against the
     tightest of its cgroup limit, ``RLIMIT_AS`` and the available RAM (with the tensor bytes
     alongside, per trial), on CUDA reserved memory plus everything outside PyTorch against

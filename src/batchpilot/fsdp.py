@@ -26,11 +26,11 @@ from torch import nn
 
 from .distributed import DistributedCoordinator, _all_reduce_ints
 from .find import BatchPlan, find_batch_size
-from .memory import resolve_device
 from .oom import Attempt, attempt, free_memory
 from .ranks import is_distributed
 from .search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
 from .sharding import fsdp_roots, is_fsdp, reset_fsdp_state
+from .units import resolve_device
 
 try:  # FSDP2 is public from torch 2.6
     from torch.distributed.fsdp import FSDPModule

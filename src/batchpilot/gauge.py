@@ -1,6 +1,6 @@
 """The memory figure a decision is made on: the one that fails on this device.
 
-* an emulated capacity: the tensor bytes a :class:`~batchpilot.memory.StorageTracker` counts
+* an emulated capacity: the tensor bytes a :class:`~batchpilot.tracker.StorageTracker` counts
   on CPU, or the caching allocator's reserved bytes under a CUDA memory fraction;
 * a real CPU: the process's resident set against what limits it (:mod:`batchpilot.host`);
 * a real CUDA / HIP device: reserved memory plus everything outside PyTorch (the context,
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .host import ResidentPeak, host_limits, resident_bytes
-from .memory import active_tracker, get_probe
+from .probes import get_probe
+from .tracker import active_tracker
 
 __all__ = ["Gauge", "TensorGauge", "ResidentGauge", "DeviceGauge", "AllocatorGauge", "gauge_for"]
 
@@ -65,7 +66,7 @@ class Gauge:
 
 
 class TensorGauge(Gauge):
-    """Tensor bytes of the running :class:`~batchpilot.memory.StorageTracker` (CPU emulation)."""
+    """Tensor bytes of the running :class:`~batchpilot.tracker.StorageTracker` (CPU emulation)."""
 
     kind = "tensors"
 
@@ -187,7 +188,7 @@ class AllocatorGauge(Gauge):
 def gauge_for(device: torch.device, *, emulated_capacity: int | None = None) -> Gauge:
     """The gauge whose figure fails on ``device``; with ``emulated_capacity``, the emulation's.
 
-    On CPU an emulated capacity means a :class:`~batchpilot.memory.StorageTracker` with that
+    On CPU an emulated capacity means a :class:`~batchpilot.tracker.StorageTracker` with that
     capacity is (or will be) running when the gauge is read.
     """
     if device.type == "cpu":

@@ -133,7 +133,7 @@ class OOMReport:
 
     Attributes:
         backend: who ran out: ``"cuda"``, ``"hip"``, ``"xpu"``, ``"mps"``, ``"cpu"``, or
-            ``"emulated"`` (batchpilot's capacity on a :class:`~batchpilot.memory.StorageTracker`).
+            ``"emulated"`` (batchpilot's capacity on a :class:`~batchpilot.tracker.StorageTracker`).
         device: the device the message names (``"cuda:0"``, ``"mps"``, ``"cpu"``), if any.
             ROCm builds name HIP devices ``cuda``, as torch does.
         requested_bytes: the allocation that failed. CUDA/HIP/XPU: the segment the caching

@@ -37,7 +37,8 @@ from .batch import BatchLayout, BatchSplitter
 from .compiled import eager_while_tracked
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .loss import as_loss_fn, forward_only, parse_loss
-from .memory import format_bytes, parse_bytes, tensor_storages, watch_storage_resizes, wraps_subclass
+from .tracker import tensor_storages, watch_storage_resizes, wraps_subclass
+from .units import format_bytes, parse_bytes
 
 __all__ = [
     "PlanningError",

@@ -1,6 +1,6 @@
 """Snapshot training state (modules, optimizers, schedulers, scalers, tensors, RNGs) and put it back bit for bit.
 
-Copies live in host memory and are made under :func:`~batchpilot.memory.untracked`, so a
+Copies live in host memory and are made under :func:`~batchpilot.tracker.untracked`, so a
 running tracker never counts them. Details: ``docs/internals.md#snapshot``.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .memory import untracked
+from .tracker import untracked
 
 __all__ = ["StateSnapshot", "RngState"]
 
@@ -241,7 +241,7 @@ class StateSnapshot:
     @staticmethod
     def objects_nbytes(objects: Iterable[Any]) -> int:
         """Bytes a snapshot of ``objects`` would copy (parameters, buffers, gradients, state)."""
-        from .memory import _tensors_of
+        from .tracker import _tensors_of
 
         seen: dict[int, int] = {}
         for obj in objects:

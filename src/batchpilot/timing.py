@@ -6,7 +6,7 @@ CPU running one intra-op thread the whole step (forward, the CPU autograd engine
 the optimizer) runs in the calling thread, and its CPU time is what it costs: other processes
 on a shared machine stretch the wall time several-fold and unevenly, not the CPU time. With
 more threads the wall clock is the only honest one. A
-:class:`~batchpilot.memory.StorageTracker` sees every operator from Python, which makes a
+:class:`~batchpilot.tracker.StorageTracker` sees every operator from Python, which makes a
 step 1.5 to 7 times slower on the reference models; timed steps run with it set aside
 (:func:`outside_trackers`). Tests put fake clocks in :data:`clock` and :data:`thread_clock`.
 """
@@ -51,7 +51,7 @@ def timed(fn: Callable[[], Any], synchronize: Callable[[], None], read: Callable
 
 @contextlib.contextmanager
 def outside_trackers() -> Iterator[bool]:
-    """Set aside the :class:`~batchpilot.memory.StorageTracker` modes on top of the dispatch stack.
+    """Set aside the :class:`~batchpilot.tracker.StorageTracker` modes on top of the dispatch stack.
 
     Yields whether every running dispatch mode was a tracker and is now set aside; with another
     mode on the stack (a user's) nothing is touched and it yields ``False``. Inside, operators
@@ -64,7 +64,7 @@ def outside_trackers() -> Iterator[bool]:
     # inside an active TorchDispatchMode without leaving its ``with`` block
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
 
-    from .memory import StorageTracker
+    from .tracker import StorageTracker
 
     stack = _get_current_dispatch_mode_stack()
     if not stack or not all(isinstance(m, StorageTracker) for m in stack):

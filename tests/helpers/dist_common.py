@@ -18,8 +18,8 @@ from torch.nn import functional as F
 from batchpilot import distributed as bd
 from batchpilot.data import ElasticBatchSampler, ElasticLoader
 from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
-from batchpilot.memory import emulate_capacity, track_peak
 from batchpilot.models import MLP
+from batchpilot.probes import emulate_capacity, track_peak
 
 # -- OOM on one rank ---------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
 from batchpilot.find import find_batch_size_for
 from batchpilot.fsdp import CollectiveOOMError, FSDPCoordinator, find_batch_size_fsdp
-from batchpilot.memory import emulate_capacity, track_peak
 from batchpilot.models import MLP
+from batchpilot.probes import emulate_capacity, track_peak
 from batchpilot.sharding import shard_model
 
 FEATURES = 16

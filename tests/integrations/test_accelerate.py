@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from dist_launch import torchrun  # noqa: E402  (tests/helpers)
 
 from batchpilot.integrations.accelerate import find_executable_batch_size  # noqa: E402
-from batchpilot.memory import emulate_capacity  # noqa: E402
+from batchpilot.probes import emulate_capacity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 g = torch.Generator().manual_seed(0)

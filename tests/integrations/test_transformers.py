@@ -21,7 +21,7 @@ from batchpilot.integrations.transformers import (  # noqa: E402
     configure_batch_size,
     hf_loss,
 )
-from batchpilot.memory import emulate_capacity  # noqa: E402
+from batchpilot.probes import emulate_capacity  # noqa: E402
 
 VOCAB, T = 64, 16
 

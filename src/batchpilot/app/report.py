@@ -113,7 +113,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from ..memory import format_bytes
+from ..units import format_bytes
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -38,12 +38,13 @@ from ..batching import is_adaptive, scale_lr
 from ..data import ElasticBatchSampler
 from ..engine import Engine, EngineConfig, StepResult
 from ..loss import supervised_loss
-from ..memory import emulate_capacity, format_bytes, get_probe, parse_bytes, resolve_device, track_peak
 from ..models import MLP, SmallCNN
 from ..noise import NOISE_MODES, NoiseConfig
 from ..oom import is_oom
+from ..probes import emulate_capacity, get_probe, track_peak
 from ..schedule import BatchSchedule, ConstantSchedule, LR_SCALE_RULES, parse_schedule
 from ..search import STRATEGIES
+from ..units import format_bytes, parse_bytes, resolve_device
 from . import report
 from .datasets import DigitsSplit, load_digits
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ...find import find_batch_size_for
-from ...memory import format_bytes
 from ...search import STRATEGIES
 from ...speed import OBJECTIVES, SPEED_TOLERANCE
+from ...units import format_bytes
 from .. import report
 from .common import (
     UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, device_or_fail,

@@ -7,10 +7,10 @@ import sys
 from typing import Any
 
 from ...gpus import GPUS, gpu_spec
-from ...memory import format_bytes
 from ...plan import PlanningError, PlanResult, plan_batch_size
 from ...plan_lengths import LengthPlanResult, plan_per_length
 from ...search import NothingFitsError
+from ...units import format_bytes
 from .. import report
 from ..trainjob import make_optimizer
 from .common import (

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from ...amp import AMP_MODES
-from ...memory import format_bytes
 from ...schedule import LR_SCALE_RULES, SCHEDULE_SPECS, parse_schedule
 from ...search import STRATEGIES
+from ...units import format_bytes
 from .. import report
 from ..trainjob import DEFAULT_CPU_CAPACITY, NOISE_CHOICES, OPTIMIZERS, TrainConfig, TrainResult, run_training
 from .common import (

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ...amp import AMP_MODES
-from ...memory import parse_bytes, resolve_device
+from ...units import parse_bytes, resolve_device
 from ..trainjob import OPTIMIZERS
 
 __all__ = [
