@@ -67,7 +67,7 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> in
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     from batchpilot.compiled import CompileCounter, mark_batch_dynamic
-    from batchpilot.find import find_batch_size_for
+    from batchpilot.front import find_batch_size_for
     from batchpilot.models import build_model, example_batch
     from batchpilot.plan import estimate_peak_memory
 

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchpilot.find import find_batch_size_for, make_batch_fn
+from batchpilot.batch import make_batch_fn
+from batchpilot.front import find_batch_size_for
 from batchpilot.models import MODEL_NAMES, build_model, example_batch
 from batchpilot.probes import track_peak
 from batchpilot.search import STRATEGIES

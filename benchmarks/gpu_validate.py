@@ -63,7 +63,8 @@ from speed import geometric_sizes, interleaved_sweep  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.find import find_batch_size, find_batch_size_for  # noqa: E402
+from batchpilot.finder import find_batch_size
+from batchpilot.front import find_batch_size_for  # noqa: E402
 from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
 from batchpilot.probes import emulate_capacity, track_peak
 from batchpilot.units import format_bytes, parse_bytes  # noqa: E402

@@ -47,7 +47,8 @@ from _harness import machine  # noqa: E402
 
 from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.find import find_batch_size, make_batch_fn  # noqa: E402
+from batchpilot.finder import find_batch_size
+from batchpilot.batch import make_batch_fn  # noqa: E402
 from batchpilot.units import format_bytes, parse_bytes
 from batchpilot.probes import track_peak  # noqa: E402
 from batchpilot.models import MODEL_NAMES, build_model, example_batch  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchpilot.engine import Engine, EngineConfig
-from batchpilot.find import BatchPlan
+from batchpilot.find_result import BatchPlan
 from batchpilot.probes import emulate_capacity
 from batchpilot.search import Trial
 

@@ -17,17 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.find import (
-    BatchPlan,
-    BatchSizeError,
-    NothingFitsError,
-    find_batch_size,
-    find_batch_size_for,
-    make_batch_fn,
-)
+from batchpilot.batch import make_batch_fn
+from batchpilot.find_result import BatchPlan
+from batchpilot.finder import find_batch_size
+from batchpilot.front import find_batch_size_for
 from batchpilot.models import build_model, example_batch
 from batchpilot.probes import emulate_capacity, track_peak
-from batchpilot.search import OOM
+from batchpilot.search import BatchSizeError, NothingFitsError, OOM
 from batchpilot.snapshot import StateSnapshot
 from batchpilot.tracker import active_tracker
 from batchpilot.units import parse_bytes
@@ -279,7 +275,7 @@ def test_plan_first_falls_back_to_the_finder_when_the_step_cannot_be_planned(cap
     model = _ItemMLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     batch = example_batch(model.mlp, 4, generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.INFO, logger="batchpilot.find"):
+    with caplog.at_level(logging.INFO, logger="batchpilot.front"):
         plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
                                    plan_first=True)
     why = [r for r in caplog.records if "cannot be planned" in r.getMessage()]
@@ -349,7 +345,7 @@ def test_eval_mode_runs_under_inference_mode_and_fits_more():
 
 def test_plan_to_dict_is_json_and_logs_one_line_per_trial(caplog):
     model, opt, batch = setup("transformer")
-    with caplog.at_level(logging.INFO, logger="batchpilot.find"):
+    with caplog.at_level(logging.INFO, logger="batchpilot.finder"):
         plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
     assert isinstance(plan, BatchPlan)
     d = json.loads(json.dumps(plan.to_dict()))
@@ -443,7 +439,7 @@ _RLIMIT_WORKER = textwrap.dedent('''
     import json, resource, sys
     import torch
     torch.set_num_threads(1)  # threads reserve stacks and malloc arenas: keep the address space predictable
-    from batchpilot.find import find_batch_size_for
+    from batchpilot.front import find_batch_size_for
     from batchpilot.models import MLP
     from batchpilot.snapshot import StateSnapshot
 
@@ -517,7 +513,7 @@ def test_a_trial_predicted_past_a_killing_limit_is_refused_and_never_run():
     """The 42-million-sample trial of a machine-sized capacity: refused from the measured line, not run."""
     from types import SimpleNamespace
 
-    from batchpilot.find import _TrialRunner
+    from batchpilot.finder import _TrialRunner
     from batchpilot.search import FIT, REFUSED, SearchSpace, Trial
 
     ran: list[int] = []

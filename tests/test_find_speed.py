@@ -15,9 +15,11 @@ from torch import nn
 
 from batchpilot import timing
 from batchpilot.app.report import SCHEMAS, plan_record, to_json
-from batchpilot.find import BatchSizeError, _TrialRunner, find_batch_size, find_batch_size_for, make_batch_fn
+from batchpilot.batch import make_batch_fn
+from batchpilot.finder import _TrialRunner, find_batch_size
+from batchpilot.front import find_batch_size_for
 from batchpilot.gauge import Gauge
-from batchpilot.search import SearchSpace
+from batchpilot.search import BatchSizeError, SearchSpace
 from batchpilot.snapshot import StateSnapshot
 from batchpilot.speed import ThroughputSearch, choose_fastest
 from batchpilot.tracker import active_tracker

@@ -21,7 +21,8 @@ from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
 from batchpilot.fsdp import FSDPCoordinator
 from batchpilot.models import MLP, TinyGPT
-from batchpilot.plan import PlanningError, estimate_peak_memory, plan_batch_size
+from batchpilot.plan import estimate_peak_memory, plan_batch_size
+from batchpilot.plan_result import PlanningError
 from batchpilot.probes import emulate_capacity, track_peak
 from batchpilot.sharding import _param_groups, fsdp_roots, is_fsdp, reset_fsdp_state, shard_blocks, shard_model
 

@@ -11,14 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from batchpilot.gpus import GPUS, CudaAccounting
 from batchpilot.models import MLP, SmallCNN, build_model, example_batch
-from batchpilot.plan import (
-    MemoryEstimate,
-    PlanningError,
-    _search_boundary,
-    default_step,
-    estimate_peak_memory,
-    plan_batch_size,
-)
+from batchpilot.plan import _search_boundary, default_step, estimate_peak_memory, plan_batch_size
+from batchpilot.plan_result import MemoryEstimate, PlanningError
 from batchpilot.probes import track_peak
 
 

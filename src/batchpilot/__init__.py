@@ -14,13 +14,16 @@ from .batching import BatchConfig, rescale_lr, rescale_weight_decay, scale_lr
 from .data import ElasticBatchSampler, ElasticLoader
 from .engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
 from .engine_lengths import LengthConfig
-from .find import BatchPlan, BatchSizeError, NothingFitsError, find_batch_size, find_batch_size_for
 from .find_lengths import LengthPlan
+from .find_result import BatchPlan
+from .finder import find_batch_size
+from .front import find_batch_size_for
 from .lengths import LengthBudget, LengthFit, UnverifiedLengthError
 from .noise import NoiseConfig, NoiseSample
 from .oom import attempt, free_memory, is_oom
 from .probes import emulate_capacity, get_probe, track_peak
 from .schedule import AdaptiveSchedule, ConstantSchedule, RampSchedule, parse_schedule
+from .search import BatchSizeError, NothingFitsError
 from .tracker import StorageTracker
 from .units import parse_bytes
 

@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .find import BatchPlan, NothingFitsError, find_batch_size
-from .ranks import default_device, is_distributed, known_rank, local_rank, rank, world_size
+from .find_result import BatchPlan
+from .finder import find_batch_size
 from .gradsync import all_reduce_gradients, broadcast_buffers, syncs_buffers
 from .oom import is_oom
+from .ranks import default_device, is_distributed, known_rank, local_rank, rank, world_size
+from .search import NothingFitsError
 
 __all__ = [
     "is_distributed",
@@ -419,7 +421,7 @@ def find_batch_size_distributed(
     group: Any = None,
     **options: Any,
 ) -> BatchPlan:
-    """Run :func:`~batchpilot.find.find_batch_size` on every rank and agree on the smallest answer.
+    """Run :func:`~batchpilot.finder.find_batch_size` on every rank and agree on the smallest answer.
 
     Each rank searches on its own device with no collective in between (ranks may run different
     trials and OOM at different sizes); then one all-reduce MIN, after every local search has
@@ -434,9 +436,9 @@ def find_batch_size_distributed(
 
     Args:
         step: ``step(batch_size)`` running one training step of the unwrapped model.
-        restore: As :func:`~batchpilot.find.find_batch_size`; DDP wrappers are unwrapped.
+        restore: As :func:`~batchpilot.finder.find_batch_size`; DDP wrappers are unwrapped.
         group: The process group; ``None`` is the default group.
-        **options: Any other keyword of :func:`~batchpilot.find.find_batch_size` (``device``,
+        **options: Any other keyword of :func:`~batchpilot.finder.find_batch_size` (``device``,
             ``target``, ``capacity``, ``strategy``, ``max_batch_size``...).
 
     Raises:
@@ -445,7 +447,7 @@ def find_batch_size_distributed(
         ValueError: A model in ``restore`` is sharded with ``fully_shard`` (see
             :func:`batchpilot.fsdp.find_batch_size_fsdp`).
         RuntimeError: The search failed on another rank (this rank re-raises its own error).
-        BatchSizeError: Invalid options, as :func:`~batchpilot.find.find_batch_size`.
+        BatchSizeError: Invalid options, as :func:`~batchpilot.finder.find_batch_size`.
     """
     items = [o for o in restore if o is not None]
     if any(isinstance(o, nn.Module) and _is_sharded(o) for o in items):

@@ -27,7 +27,8 @@ from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from .compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from .coordinator import Coordinator, LocalCoordinator
 from .engine_lengths import LengthConfig, LengthSizer, make_sizer
-from .find import BatchPlan, find_batch_size
+from .find_result import BatchPlan
+from .finder import find_batch_size
 from .gauge import Gauge, gauge_for
 from .host import trim_host_memory
 from .loss import as_loss_fn, parse_loss
@@ -75,7 +76,7 @@ class EngineConfig:
         restore_buffers: on retry, put BatchNorm running statistics back as they were before the
             failed attempt (cost: one in-place copy of those buffers per step).
         restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
-        find_options: extra keyword arguments for :func:`batchpilot.find.find_batch_size` when
+        find_options: extra keyword arguments for :func:`batchpilot.finder.find_batch_size` when
             ``micro_batch_size="auto"`` and no ``start`` is given (with ``split="time"`` its
             ``timed_steps`` defaults to 3: the split is decided on those times).
         split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
@@ -214,9 +215,9 @@ class Engine:
         micro_batch_size: ``"auto"`` (adapt; start from ``start``, else from the finder) or a
             fixed int (no adaptation; an OOM raises after the partial gradients are dropped);
             at most the per-rank batch.
-        start: first micro-batch for ``"auto"``: an int, or the :class:`~batchpilot.find.BatchPlan`
+        start: first micro-batch for ``"auto"``: an int, or the :class:`~batchpilot.find_result.BatchPlan`
             of a search already run (its batch size and memory fit are used, no trial runs); ``None`` runs
-            :func:`~batchpilot.find.find_batch_size` on the first batch (with several ranks
+            :func:`~batchpilot.finder.find_batch_size` on the first batch (with several ranks
             :func:`~batchpilot.distributed.find_batch_size_distributed`, on the module inside a
             DDP wrapper).
         device: where micro-batches go and memory is measured; default: the model's.
@@ -853,7 +854,7 @@ class Engine:
         """The finder's micro-batch, probed on the first batch's samples; all state put back.
 
         Raises:
-            batchpilot.find.NothingFitsError: as :meth:`_search`.
+            batchpilot.search.NothingFitsError: as :meth:`_search`.
         """
         plan = self._search(split)
         self.plan = plan
@@ -868,7 +869,7 @@ class Engine:
         for every micro-batch of a step).
 
         Raises:
-            batchpilot.find.NothingFitsError: not even the smallest batch fits (with several
+            batchpilot.search.NothingFitsError: not even the smallest batch fits (with several
                 ranks: on any rank; then it is raised on every rank, naming that rank).
         """
         # imported here, not at module level: distributed is the layer above the engine (its

@@ -204,7 +204,7 @@ class LengthSizer:
         Raises:
             ValueError: the length cannot be read (see :func:`batchpilot.seqbatch.padded_length`).
             UnverifiedLengthError: beyond the verified maximum with ``beyond="error"``.
-            batchpilot.find.NothingFitsError: a verification finds that not one sample fits.
+            batchpilot.search.NothingFitsError: a verification finds that not one sample fits.
         """
         e = self.engine
         cfg = self.config

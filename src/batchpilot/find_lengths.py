@@ -1,7 +1,7 @@
 """The finder over sequence lengths: real searches at two or three lengths, a table for every length.
 
 ``find_batch_size_for(..., lengths=...)`` lands here. Each fitted length is a full search
-(:func:`batchpilot.find.find_batch_size_for`) on the example batch trimmed to it, so the answer
+(:func:`batchpilot.front.find_batch_size_for`) on the example batch trimmed to it, so the answer
 at the longest length is verified by real trials; the memory lines of those searches fit the
 2-D model of :mod:`batchpilot.lengths`, which answers the lengths between.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .find import BatchPlan
+from .find_result import BatchPlan
 from .lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
 from .search import BatchSizeError
 from .seqbatch import length_batch_fn
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class LengthPlan(BatchPlan):
-    """A :class:`~batchpilot.find.BatchPlan` at the longest length, with the answer at every length.
+    """A :class:`~batchpilot.find_result.BatchPlan` at the longest length, with the answer at every length.
 
     Its own fields (``batch_size``, ``trials``, ``fit``...) are the search at the longest
     length, verified by real trials, except ``seconds`` and ``compilations``, which count every

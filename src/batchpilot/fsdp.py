@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import DistributedCoordinator, _all_reduce_ints
-from .find import BatchPlan, find_batch_size
+from .find_result import BatchPlan
+from .finder import find_batch_size
 from .oom import Attempt, attempt, free_memory
 from .ranks import is_distributed
 from .search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
@@ -513,7 +514,7 @@ def find_batch_size_fsdp(
     replay: Callable[[int], Any] | None = None,
     **options: Any,
 ) -> BatchPlan:
-    """:func:`~batchpilot.find.find_batch_size` for a ``fully_shard`` model, every rank in lockstep.
+    """:func:`~batchpilot.finder.find_batch_size` for a ``fully_shard`` model, every rank in lockstep.
 
     Each trial runs the same batch size on every rank (FSDP's collectives pair up only so), and
     one all-reduce after it gives every rank the same view: the worst outcome and the largest
@@ -526,17 +527,17 @@ def find_batch_size_fsdp(
     Args:
         step: ``step(batch_size)`` running one training step of the sharded model (its forward
             runs FSDP's collectives: call it on every rank).
-        restore: as for :func:`~batchpilot.find.find_batch_size`; the sharded model is taken from
+        restore: as for :func:`~batchpilot.finder.find_batch_size`; the sharded model is taken from
             here when ``coordinator`` is not bound yet.
         coordinator: an :class:`FSDPCoordinator`; default a new one on the default group.
         replay: ``replay(batch_size)`` running the collectives of a trial at ``batch_size`` with
             one sample; default ``step(min_batch_size)`` ``steps_per_trial`` times.
-        **options: any other keyword of :func:`~batchpilot.find.find_batch_size`.
+        **options: any other keyword of :func:`~batchpilot.finder.find_batch_size`.
 
     Raises:
         ValueError: no ``fully_shard`` model was given (in ``restore``) to an unbound coordinator.
         CollectiveOOMError: a rank could not rejoin after an OOM (on every rank).
-        NothingFitsError, BatchSizeError: as :func:`~batchpilot.find.find_batch_size`, on every rank.
+        NothingFitsError, BatchSizeError: as :func:`~batchpilot.finder.find_batch_size`, on every rank.
     """
     items = [o for o in restore if o is not None]
     coord = coordinator if coordinator is not None else FSDPCoordinator()

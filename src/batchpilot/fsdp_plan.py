@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .plan import PlanningError
+from .plan_result import PlanningError
 from .sharding import _param_groups, is_fsdp, shard_model
 
 __all__ = ["SHARDINGS", "ShardFn", "FakeShards", "fake_process_group"]

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
 import torch
@@ -37,13 +37,11 @@ from .batch import BatchLayout, BatchSplitter
 from .compiled import eager_while_tracked
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .loss import as_loss_fn, forward_only, parse_loss
+from .plan_result import MemoryEstimate, PlanResult, PlanningError
 from .tracker import tensor_storages, watch_storage_resizes, wraps_subclass
 from .units import format_bytes, parse_bytes
 
 __all__ = [
-    "PlanningError",
-    "MemoryEstimate",
-    "PlanResult",
     "default_step",
     "estimate_peak_memory",
     "plan_batch_size",
@@ -63,94 +61,6 @@ _FAKE_UNSUPPORTED = (
     NotImplementedError,
 )
 _ADVICE = "run the finder (batchpilot.find_batch_size) on the device instead"
-
-
-class PlanningError(RuntimeError):
-    """The step cannot be planned on fake tensors; measure it on the device instead."""
-
-
-# ---------------------------------------------------------------------------
-# Results
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryEstimate:
-    """Peak memory of a step at one batch size, with its make-up at the peak.
-
-    ``parameters + buffers + inputs + gradients + optimizer_state +
-    activations + unsharded_parameters + communication == peak_bytes`` (exact
-    tensor bytes, as the CPU tracker counts them). Sharded (``sharding="fsdp2"``
-    over ``world_size`` ranks), the figures are one rank's: ``parameters``,
-    ``gradients`` and ``optimizer_state`` its shards (and the unsharded
-    gradients of a backward), ``unsharded_parameters`` the all-gathered
-    parameters alive at the peak, ``communication`` the all-gather and
-    reduce-scatter buffers; both are 0 unsharded. On CUDA, ``allocated_bytes`` / ``reserved_bytes`` predict
-    ``max_memory_allocated`` / ``max_memory_reserved`` (allocator rounding,
-    cached segments and cuBLAS workspaces included) and ``context_bytes`` is
-    the CUDA context outside the allocator; on CPU both equal ``peak_bytes``
-    and the context is 0.
-    """
-
-    batch_size: int
-    device: str
-    peak_bytes: int
-    parameters: int
-    buffers: int
-    inputs: int
-    gradients: int
-    optimizer_state: int
-    activations: int
-    allocated_bytes: int
-    reserved_bytes: int
-    context_bytes: int
-    seconds: float
-    unsharded_parameters: int = 0
-    communication: int = 0
-    world_size: int = 1
-    sharding: str | None = None
-
-    @property
-    def required_bytes(self) -> int:
-        """Device memory the step needs: the reserved peak plus the context.
-
-        ``cudaMalloc`` fails on the memory the caching allocator has reserved (cached blocks
-        included) plus what lives outside it, not on the bytes tensors hold: a plan that
-        fits its allocated peak can still run out.
-        """
-        return self.reserved_bytes + self.context_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "required_bytes": self.required_bytes}
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanResult:
-    """The largest batch whose estimate fits ``target × capacity``.
-
-    ``batch_size`` is 0 when even a batch of one does not fit. ``estimate``
-    is the estimate at ``batch_size`` and ``next_estimate`` the one at
-    ``batch_size + 1`` (``None`` past ``max_batch_size``); ``evaluations``
-    maps every batch size tried to its ``required_bytes``.
-    """
-
-    batch_size: int
-    capacity: int
-    target: float
-    limit: int
-    device: str
-    gpu: str | None
-    estimate: MemoryEstimate | None
-    next_estimate: MemoryEstimate | None
-    evaluations: dict[int, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    world_size: int = 1
-    sharding: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["estimate"] = self.estimate.to_dict() if self.estimate else None
-        d["next_estimate"] = self.next_estimate.to_dict() if self.next_estimate else None
-        return d
 
 
 # ---------------------------------------------------------------------------

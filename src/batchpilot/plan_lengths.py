@@ -15,7 +15,8 @@ from typing import Any, Callable
 from torch import nn
 
 from .lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
-from .plan import PlanResult, plan_batch_size
+from .plan import plan_batch_size
+from .plan_result import PlanResult
 from .seqbatch import length_batch_fn
 
 __all__ = ["LengthPlanResult", "plan_per_length"]
@@ -72,7 +73,7 @@ def plan_per_length(model: nn.Module, sample: Any, *, lengths: Any, capacity: in
     Raises:
         ValueError: fewer than two lengths, a length that is not a positive int, a missing
             ``seq_dim``, an example shorter than the longest length; as ``plan_batch_size``.
-        batchpilot.plan.PlanningError: the step cannot run on fake tensors.
+        batchpilot.plan_result.PlanningError: the step cannot run on fake tensors.
     """
     started = time.perf_counter()
     asked = check_lengths(lengths)

@@ -16,10 +16,10 @@ import torch
 
 from batchpilot.app import report
 from batchpilot.app.datasets import load_digits
-from batchpilot.find import BatchPlan, MemoryFit
+from batchpilot.app.trainjob import TrainConfig
+from batchpilot.find_result import BatchPlan, MemoryFit
 from batchpilot.search import Trial
 from batchpilot.speed import TimeFit
-from batchpilot.app.trainjob import TrainConfig
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from batchpilot import distributed as bd
 from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
-from batchpilot.find import find_batch_size_for
+from batchpilot.front import find_batch_size_for
 from batchpilot.fsdp import CollectiveOOMError, FSDPCoordinator, find_batch_size_fsdp
 from batchpilot.models import MLP
 from batchpilot.probes import emulate_capacity, track_peak

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from batchpilot.find import BatchSizeError
 from batchpilot.integrations import BatchSetup, SizingOptions
 from batchpilot.integrations._common import choose_batches
+from batchpilot.search import BatchSizeError
 
 FRAMEWORKS = ("lightning", "transformers", "accelerate")
 

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from batchpilot.batching import scale_lr  # noqa: E402
-from batchpilot.find import find_batch_size_for  # noqa: E402
+from batchpilot.front import find_batch_size_for  # noqa: E402
 from batchpilot.integrations.transformers import (  # noqa: E402
     ResilientTrainer,
     ResilientTrainerMixin,

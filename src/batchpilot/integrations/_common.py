@@ -11,7 +11,8 @@ from typing import Any
 
 from .._checks import positive_int
 from ..batching import BatchConfig, config_for_limit, is_adaptive
-from ..find import BatchPlan, FinderConfig
+from ..find_result import BatchPlan
+from ..finder import FinderConfig
 from ..policy import efficient_size
 from ..schedule import LR_SCALE_RULES
 
@@ -58,13 +59,13 @@ class SizingOptions:
         max_batch_size: the largest per-device batch to try; the integration also caps it at the
             per-rank batch and at the dataset's length.
         steps_per_trial: training steps per trial (2 puts the optimizer state in the peak).
-        find_options: any other keyword of :func:`batchpilot.find.find_batch_size`
+        find_options: any other keyword of :func:`batchpilot.finder.find_batch_size`
             (``max_trials``, ``tolerance``, ...).
 
     Raises:
         ValueError: a size that is not a positive int, an unknown ``lr_rule``, or a keyword of
             ``find_options`` that the fields above set.
-        batchpilot.find.BatchSizeError: a target, capacity, strategy or count the finder refuses.
+        batchpilot.search.BatchSizeError: a target, capacity, strategy or count the finder refuses.
     """
 
     global_batch_size: int | None = None

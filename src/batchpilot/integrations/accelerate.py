@@ -23,7 +23,7 @@ import torch
 from .._checks import positive_int
 from ..batching import BatchConfig
 from ..distributed import find_batch_size_distributed
-from ..find import BatchPlan
+from ..find_result import BatchPlan
 from ..oom import attempt
 from ..ranks import default_device, world_size
 from ._common import SizingOptions, require
@@ -173,7 +173,7 @@ def find_executable_batch_size(
     global batch exactly: the search bisects over those divisors (their memory is a step function
     of any size in between, which a search over every integer would waste trials on).
 
-    The wrapper's ``plan`` attribute holds the last :class:`~batchpilot.find.BatchPlan` (with
+    The wrapper's ``plan`` attribute holds the last :class:`~batchpilot.find_result.BatchPlan` (with
     ``limited_by_rank``) and ``batch_size`` the size of the final run.
 
     Args:
@@ -190,7 +190,7 @@ def find_executable_batch_size(
     Raises:
         ValueError: ``reduce_batch_size_fn`` given, or invalid options (when decorating).
         TypeError: the batch size passed by the caller as well.
-        batchpilot.find.NothingFitsError: not even ``min_batch_size`` fits (on some rank).
+        batchpilot.search.NothingFitsError: not even ``min_batch_size`` fits (on some rank).
         torch.OutOfMemoryError: the final run ran out of memory on several processes.
     """
     if reduce_batch_size_fn is not None:

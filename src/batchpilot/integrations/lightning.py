@@ -25,7 +25,7 @@ from ..batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn
 from ..batching import BatchConfig, rescale_lr
 from ..distributed import find_batch_size_distributed
 from ..engine import Engine, StepResult
-from ..find import BatchPlan
+from ..find_result import BatchPlan
 from ..loss import parse_loss
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
 
@@ -80,7 +80,7 @@ class BatchSizeCallback(Callback):
             size attribute, a dataloader passed to ``fit()`` directly, several training dataloaders,
             a strategy other than single-device or DDP, or ``GradientAccumulationScheduler`` next
             to a global batch.
-        batchpilot.find.NothingFitsError: not even one sample fits on some rank (on every rank).
+        batchpilot.search.NothingFitsError: not even one sample fits on some rank (on every rank).
     """
 
     def __init__(
@@ -335,7 +335,7 @@ def _search_batch_size(
     trials); ranks agree once, on the smallest answer, after all searches ended.
 
     Raises:
-        batchpilot.find.NothingFitsError: not even one sample fits on some rank.
+        batchpilot.search.NothingFitsError: not even one sample fits on some rank.
     """
     optimizers = list(trainer.optimizers)  # the raw torch optimizers: their state is what a snapshot restores
     if not optimizers:

@@ -26,7 +26,7 @@ from ..batch import BatchLayout, SplitFn, batch_size_of
 from ..batching import scale_lr
 from ..distributed import find_batch_size_distributed
 from ..engine import Engine, EngineConfig, StepResult
-from ..find import find_batch_size_for
+from ..front import find_batch_size_for
 from ..oom import attempt, free_memory
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
 
@@ -108,7 +108,7 @@ def configure_batch_size(
         ValueError: invalid options, ``auto_find_batch_size`` set, DataParallel over several GPUs in
             one process (use ``torchrun``), DeepSpeed or FSDP (their sharded state is not what the
             trials measure), or a global batch that does not divide by the world size.
-        batchpilot.find.NothingFitsError: not even one sample fits (on some rank).
+        batchpilot.search.NothingFitsError: not even one sample fits (on some rank).
     """
     opts = SizingOptions(global_batch_size=global_batch_size, lr_base_size=lr_base_size, lr_rule=lr_rule,
                          target=target, capacity=capacity, strategy=strategy, max_batch_size=max_batch_size,

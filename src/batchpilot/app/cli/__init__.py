@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 from ... import __version__
 from ...engine import BatchDoesNotFitError
-from ...plan import PlanningError
+from ...plan_result import PlanningError
 from ...search import BatchSizeError, NothingFitsError
 from ..trainjob import JobError
 from . import cmd_find, cmd_plan, cmd_train

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...find import find_batch_size_for
+from ...front import find_batch_size_for
 from ...search import STRATEGIES
 from ...speed import OBJECTIVES, SPEED_TOLERANCE
 from ...units import format_bytes

@@ -7,8 +7,9 @@ import sys
 from typing import Any
 
 from ...gpus import GPUS, gpu_spec
-from ...plan import PlanningError, PlanResult, plan_batch_size
+from ...plan import plan_batch_size
 from ...plan_lengths import LengthPlanResult, plan_per_length
+from ...plan_result import PlanningError, PlanResult
 from ...search import NothingFitsError
 from ...units import format_bytes
 from .. import report
