@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from batchpilot.models import build_model, example_batch
+from batchpilot.app.models import build_model, example_batch
 
 __all__ = [
     "ROOT",

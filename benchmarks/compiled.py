@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import BENCH_MODELS, QUICK_MODELS, allocator_peak, cap_address_space, child_env, machine  # noqa: E402
 
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.units import format_bytes  # noqa: E402
+from batchpilot.memory.units import format_bytes  # noqa: E402
 
 MiB = 2**20
 COLUMNS = ("model", "program", "compile s", "graphs", "peak @b (allocator)", "plan @b", "plan / peak",
@@ -66,10 +66,10 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> in
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    from batchpilot.compiled import CompileCounter, mark_batch_dynamic
-    from batchpilot.front import find_batch_size_for
-    from batchpilot.models import build_model, example_batch
-    from batchpilot.plan import estimate_peak_memory
+    from batchpilot.core.compiled import CompileCounter, mark_batch_dynamic
+    from batchpilot.find.front import find_batch_size_for
+    from batchpilot.app.models import build_model, example_batch
+    from batchpilot.plan.planner import estimate_peak_memory
 
     torch.set_num_threads(1)
     # oneDNN and NNPACK allocate outside PyTorch's allocator and crash under RLIMIT_AS (SIGSEGV:

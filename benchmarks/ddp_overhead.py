@@ -14,7 +14,7 @@ Every variant trains its own copy of the same model at the same micro-batch and 
 * ``deferred``: the plain loop with the same deferral and agreement but no engine, which
   separates the price of deferring the gradient sync from the engine's own overhead.
 * ``overlap``: ``Engine`` + ``DistributedCoordinator(defer_grad_sync=False)``: DDP's overlapped
-  all-reduce kept, at the price of OOM safety (see batchpilot.distributed).
+  all-reduce kept, at the price of OOM safety (see batchpilot.dist.distributed).
 
 Variants take turns step by step (the order rotated) so that drift on a shared machine hits
 all of them alike; each figure is the median step, the slower rank's. Times on a busy 2-core
@@ -37,9 +37,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchpilot import distributed as bd
-from batchpilot.engine import Engine, EngineConfig
-from batchpilot.models import MLP
+from batchpilot.app.models import MLP
+from batchpilot.dist import distributed as bd
+from batchpilot.train.engine import Engine, EngineConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _torchrun import finish, launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402

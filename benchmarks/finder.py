@@ -29,12 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchpilot.batch import make_batch_fn
-from batchpilot.front import find_batch_size_for
-from batchpilot.models import MODEL_NAMES, build_model, example_batch
-from batchpilot.probes import track_peak
-from batchpilot.search import STRATEGIES
-from batchpilot.units import format_bytes, parse_bytes
+from batchpilot.app.models import MODEL_NAMES, build_model, example_batch
+from batchpilot.core.batch import make_batch_fn
+from batchpilot.find.front import find_batch_size_for
+from batchpilot.memory.probes import track_peak
+from batchpilot.memory.units import format_bytes, parse_bytes
+from batchpilot.policy.search import STRATEGIES
 
 logger = logging.getLogger("benchmarks.finder")
 

@@ -9,7 +9,7 @@ each block, then the root), at the same micro-batch and accumulation:
 
 * ``plain``: the usual FSDP2 loop: ``set_requires_gradient_sync(False)`` on all but the last
   micro-batch, whose backward reduce-scatters; the optimizer step on the shards.
-* ``batchpilot``: ``Engine(micro_batch_size=micro)`` with :class:`batchpilot.fsdp.FSDPCoordinator`
+* ``batchpilot``: ``Engine(micro_batch_size=micro)`` with :class:`batchpilot.dist.fsdp.FSDPCoordinator`
   (chosen by itself): the same loop plus one all-reduce before the step (every rank brought a
   batch of the same size) and one after the attempt (did any rank run out of memory?), and the
   collective counting that makes a replay possible.
@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from batchpilot import distributed as bd
-from batchpilot.engine import Engine, EngineConfig
-from batchpilot.models import MLP, TinyGPT, lm_loss, padded_lm_batch
-from batchpilot.sharding import shard_model
+from batchpilot.app.models import MLP, TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.core.sharding import shard_model
+from batchpilot.dist import distributed as bd
+from batchpilot.train.engine import Engine, EngineConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _torchrun import finish, launch_under_torchrun, median_step_seconds, slowest_rank_ms  # noqa: E402

@@ -61,21 +61,21 @@ from _harness import allocator_peak, largest_fitting, machine  # noqa: E402
 from speed import geometric_sizes, interleaved_sweep  # noqa: E402
 
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
-from batchpilot.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.finder import find_batch_size
-from batchpilot.front import find_batch_size_for  # noqa: E402
-from batchpilot.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
-from batchpilot.probes import emulate_capacity, track_peak
-from batchpilot.units import format_bytes, parse_bytes  # noqa: E402
-from batchpilot.models import MLP  # noqa: E402
-from batchpilot.noise import NoiseConfig  # noqa: E402
-from batchpilot.oom import attempt, free_memory  # noqa: E402
-from batchpilot.plan import default_step, estimate_peak_memory  # noqa: E402
-from batchpilot.sharding import shard_model  # noqa: E402
-from batchpilot.snapshot import StateSnapshot  # noqa: E402
-from batchpilot.speed import choose_split  # noqa: E402
-from batchpilot.timing import step_clock  # noqa: E402
+from batchpilot.core.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
+from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
+from batchpilot.find.finder import find_batch_size
+from batchpilot.find.front import find_batch_size_for  # noqa: E402
+from batchpilot.plan.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.memory.units import format_bytes, parse_bytes  # noqa: E402
+from batchpilot.app.models import MLP  # noqa: E402
+from batchpilot.train.noise import NoiseConfig  # noqa: E402
+from batchpilot.memory.oom import attempt, free_memory  # noqa: E402
+from batchpilot.plan.planner import default_step, estimate_peak_memory  # noqa: E402
+from batchpilot.core.sharding import shard_model  # noqa: E402
+from batchpilot.find.snapshot import StateSnapshot  # noqa: E402
+from batchpilot.policy.speed import choose_split  # noqa: E402
+from batchpilot.find.timing import step_clock  # noqa: E402
 
 COLUMNS = ("model", "check", "setting", "batchpilot", "measured", "error / ratio")
 MODELS = ("mlp", "resnet50", "gpt2")
@@ -668,7 +668,7 @@ def check_lengths(device: torch.device, small: bool, target: float, rows: list, 
     On CPU the tracker's peaks are exactly quadratic in the length, so the answers agree exactly;
     on a GPU the caching allocator rounds every block, and this measures what that costs.
     """
-    from batchpilot.models import TinyGPT, lm_loss as token_loss, padded_lm_batch
+    from batchpilot.app.models import TinyGPT, lm_loss as token_loss, padded_lm_batch
 
     torch.manual_seed(0)
     if small:

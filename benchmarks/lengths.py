@@ -44,11 +44,11 @@ from _harness import machine  # noqa: E402
 
 from batchpilot import Engine, EngineConfig, find_batch_size_for  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.engine_lengths import LengthConfig  # noqa: E402
-from batchpilot.probes import emulate_capacity
-from batchpilot.units import format_bytes, parse_bytes  # noqa: E402
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch  # noqa: E402
-from batchpilot.seqbatch import trim_batch  # noqa: E402
+from batchpilot.train.lengths import LengthConfig  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.memory.units import format_bytes, parse_bytes  # noqa: E402
+from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch  # noqa: E402
+from batchpilot.core.seqbatch import trim_batch  # noqa: E402
 
 COLUMNS = ("arm", "steps", "OOMs after step 1", "over target", "verifications", "micro-batches", "tokens/micro-batch",
            "allowed", "use", "samples/s ratio", "wall ratio", "replay ratio", "max |Δparam| rel", "exact", "goal")

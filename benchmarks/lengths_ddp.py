@@ -37,11 +37,11 @@ from _harness import machine  # noqa: E402
 from _torchrun import finish, launch_under_torchrun  # noqa: E402
 from lengths import arm_engine, build_model, job_config, length_plan, make_batches, reference  # noqa: E402
 
-from batchpilot import distributed as bd  # noqa: E402
+from batchpilot.app.models import TinyGPT  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.models import TinyGPT  # noqa: E402
-from batchpilot.probes import emulate_capacity  # noqa: E402
-from batchpilot.seqbatch import trim_batch  # noqa: E402
+from batchpilot.core.seqbatch import trim_batch  # noqa: E402
+from batchpilot.dist import distributed as bd  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 
 RANKS = 2
 COLUMNS = ("arm", "steps", "OOMs after step 1", "verifications", "micro-batches / step", "CPU s (slowest rank)",

@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine  # noqa: E402
 
 from batchpilot.app.datasets import load_digits  # noqa: E402
-from batchpilot.data import ElasticBatchSampler  # noqa: E402
-from batchpilot.engine import Engine  # noqa: E402
-from batchpilot.models import MLP, SmallCNN, example_batch  # noqa: E402
-from batchpilot.noise import DEFAULT_BETA, NoiseConfig, NoiseMeter, population_factor, unbiased_estimates  # noqa: E402
-from batchpilot.schedule import AdaptiveSchedule, RampSchedule  # noqa: E402
+from batchpilot.app.models import MLP, SmallCNN, example_batch  # noqa: E402
+from batchpilot.policy.schedule import AdaptiveSchedule, RampSchedule  # noqa: E402
+from batchpilot.train.data import ElasticBatchSampler  # noqa: E402
+from batchpilot.train.engine import Engine  # noqa: E402
+from batchpilot.train.noise import DEFAULT_BETA, NoiseConfig, NoiseMeter, population_factor, unbiased_estimates  # noqa: E402
 
 PARTS = ("accuracy", "tracking", "benefit", "cost")
 EMA_BETAS = (0.95, 0.99)  # the defaults of `every` and `first`

@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from batchpilot.engine import Engine
-from batchpilot.models import MLP, SmallCNN, example_batch
+from batchpilot.app.models import MLP, SmallCNN, example_batch
+from batchpilot.train.engine import Engine
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {"build": lambda: MLP(in_features=256, width=1024, depth=2), "global": 256, "micro": 64},

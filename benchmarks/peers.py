@@ -98,7 +98,7 @@ CONTAINER_COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs",
 # Imported once by the fork server, so that every measurement starts with them loaded.
 # torch._dynamo (and sympy with it, ~100 MB) is what the first optimizer step imports: without
 # it here every child of a server without Lightning would pay it, and in a cgroup that counts.
-PRELOAD = ("torch", "torch._dynamo", "_harness", "peers", "batchpilot.finder", "batchpilot.app.report", "lightning",
+PRELOAD = ("torch", "torch._dynamo", "_harness", "peers", "batchpilot.find.finder", "batchpilot.app.report", "lightning",
            "lightning.pytorch.tuner", "accelerate", "accelerate.utils")
 # A peer is preloaded only when one of its methods runs: Lightning's imports add about 140 MB of
 # resident memory to every child (measured 2026-12-01: 297 MB with torch alone, 435 MB with
@@ -244,7 +244,7 @@ def _probe(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _batchpilot(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str, Any]:
-    from batchpilot.finder import find_batch_size
+    from batchpilot.find.finder import find_batch_size
 
     _, strategy, target, no_capacity = parse_method(spec["method"])
     target = spec["target"] if target is None else target
@@ -425,7 +425,7 @@ def _guess(model: str, cap_mib: int, quick: bool) -> int:
     """A starting point for the bisection: tracked peak at two small batches, solved for the cap."""
     import torch
 
-    from batchpilot.probes import track_peak
+    from batchpilot.memory.probes import track_peak
 
     torch.set_num_threads(1)
     w = Workload.build(model, quick=quick)

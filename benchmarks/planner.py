@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from batchpilot.gpus import CudaAccounting
-from batchpilot.models import MODEL_NAMES, TinyGPT, build_model, example_batch, lm_loss, padded_lm_batch
-from batchpilot.plan import default_step, estimate_peak_memory, plan_batch_size
-from batchpilot.probes import track_peak
-from batchpilot.units import format_bytes
+from batchpilot.app.models import MODEL_NAMES, TinyGPT, build_model, example_batch, lm_loss, padded_lm_batch
+from batchpilot.memory.probes import track_peak
+from batchpilot.memory.units import format_bytes
+from batchpilot.plan.gpus import CudaAccounting
+from batchpilot.plan.planner import default_step, estimate_peak_memory, plan_batch_size
 
 BATCHES = (1, 16, 256, 4096, 65536)
 REAL_UP_TO = 256  # real CPU steps beyond this take too long for a benchmark run

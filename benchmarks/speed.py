@@ -46,15 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine  # noqa: E402
 
 from batchpilot.app.report import format_table, write_json  # noqa: E402
-from batchpilot.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.finder import find_batch_size
-from batchpilot.batch import make_batch_fn  # noqa: E402
-from batchpilot.units import format_bytes, parse_bytes
-from batchpilot.probes import track_peak  # noqa: E402
-from batchpilot.models import MODEL_NAMES, build_model, example_batch  # noqa: E402
-from batchpilot.snapshot import StateSnapshot  # noqa: E402
-from batchpilot.speed import choose_split  # noqa: E402
-from batchpilot.timing import step_clock  # noqa: E402
+from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
+from batchpilot.find.finder import find_batch_size
+from batchpilot.core.batch import make_batch_fn  # noqa: E402
+from batchpilot.memory.units import format_bytes, parse_bytes
+from batchpilot.memory.probes import track_peak  # noqa: E402
+from batchpilot.app.models import MODEL_NAMES, build_model, example_batch  # noqa: E402
+from batchpilot.find.snapshot import StateSnapshot  # noqa: E402
+from batchpilot.policy.speed import choose_split  # noqa: E402
+from batchpilot.find.timing import step_clock  # noqa: E402
 
 SWEEP_COLUMNS = ("model", "mode", "run", "tol", "largest", "sweep sizes", "best (swept)", "choice", "trials",
                  "choice/best s/s", "halves", "wall", "noise", "choice/largest peak", "saturates", "goal")

@@ -26,10 +26,10 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from batchpilot.batching import BatchConfig
+from batchpilot.core.ranks import rank, world_size
 from batchpilot.integrations.accelerate import find_executable_batch_size
-from batchpilot.probes import emulate_capacity
-from batchpilot.ranks import rank, world_size
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.train.batching import BatchConfig
 
 
 def main(argv: list[str] | None = None) -> dict:

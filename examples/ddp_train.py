@@ -26,11 +26,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from batchpilot import distributed as bd
-from batchpilot.data import ElasticBatchSampler, ElasticLoader
-from batchpilot.engine import Engine
-from batchpilot.models import MLP
-from batchpilot.probes import emulate_capacity
+from batchpilot.app.models import MLP
+from batchpilot.dist import distributed as bd
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.train.data import ElasticBatchSampler, ElasticLoader
+from batchpilot.train.engine import Engine
 
 
 def load_data() -> TensorDataset:
@@ -75,7 +75,7 @@ def main() -> None:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if bd.is_distributed() else model
     # the global batch over all ranks; a value that does not divide by the world size is refused
     # with the nearest ones that do. Under torchrun the engine agrees with the other ranks by itself
-    # (batchpilot.distributed.DistributedCoordinator).
+    # (batchpilot.dist.distributed.DistributedCoordinator).
     engine = Engine(ddp, optimizer, nn.CrossEntropyLoss(), global_batch_size=args.global_batch, device=device)
     coordinator = engine.coordinator
     per_rank = engine.per_rank_batch_size

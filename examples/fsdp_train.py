@@ -8,7 +8,7 @@
 
 gloo on CPU, NCCL on GPU; without torchrun it runs as one rank. Each Linear layer is sharded with
 ``fully_shard``, then the whole model, the usual FSDP2 recipe. The engine sees the sharded model
-and keeps the ranks in lockstep (batchpilot.fsdp.FSDPCoordinator): the finder runs the same trials
+and keeps the ranks in lockstep (batchpilot.dist.fsdp.FSDPCoordinator): the finder runs the same trials
 on every rank and agrees after each, every micro-batch but the last skips the gradient
 reduce-scatter, and a rank that runs out of memory replays its collectives so that all ranks
 shrink together and retry the same batch. ``--global-batch`` is the batch over all ranks.
@@ -28,11 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
-from batchpilot import distributed as bd
-from batchpilot.data import ElasticBatchSampler, ElasticLoader
-from batchpilot.engine import Engine
-from batchpilot.models import MLP
-from batchpilot.probes import emulate_capacity
+from batchpilot.app.models import MLP
+from batchpilot.dist import distributed as bd
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.train.data import ElasticBatchSampler, ElasticLoader
+from batchpilot.train.engine import Engine
 
 
 def load_data() -> TensorDataset:
@@ -75,7 +75,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh)  # the root: parameters left outside the layers, and the per-step bookkeeping
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # over the shards
 
-    # the engine sees fully_shard and uses batchpilot.fsdp.FSDPCoordinator by itself
+    # the engine sees fully_shard and uses batchpilot.dist.fsdp.FSDPCoordinator by itself
     engine = Engine(model, optimizer, nn.CrossEntropyLoss(), global_batch_size=args.global_batch, device=device)
     coordinator = engine.coordinator
     sampler = ElasticBatchSampler(len(data), engine.per_rank_batch_size, shuffle=True, seed=0)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.engine import Engine
-from batchpilot.loss import supervised_loss
-from batchpilot.models import MLP, SmallCNN, example_batch
-from batchpilot.probes import track_peak
+from batchpilot.app.models import MLP, SmallCNN, example_batch
+from batchpilot.core.loss import supervised_loss
+from batchpilot.memory.probes import track_peak
+from batchpilot.train.engine import Engine
 
 GLOBAL = {"mlp": 64, "cnn": 16}
 

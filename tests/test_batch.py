@@ -1,4 +1,4 @@
-"""The batch rules shared by the engine, the finder and the planner (batchpilot.batch)."""
+"""The batch rules shared by the engine, the finder and the planner (batchpilot.core.batch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from batchpilot.batch import BatchLayout, BatchSplitter, batch_size_of, make_batch_fn
+from batchpilot.core.batch import BatchLayout, BatchSplitter, batch_size_of, make_batch_fn
 
 
 def test_splitter_views_and_errors():

@@ -1,4 +1,4 @@
-"""Tests for batchpilot.batching: batch arithmetic, LR scaling rules, mid-run LR rescaling."""
+"""Tests for batchpilot.train.batching: batch arithmetic, LR scaling rules, mid-run LR rescaling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from batchpilot.batching import (
+from batchpilot.policy.schedule import LR_SCALE_RULES
+from batchpilot.train.batching import (
     config_for_limit,
     ADAPTIVE_OPTIMIZERS,
     BatchConfig,
@@ -17,7 +18,6 @@ from batchpilot.batching import (
     scale_lr,
     split_sizes,
 )
-from batchpilot.schedule import LR_SCALE_RULES
 
 
 @pytest.fixture(autouse=True)

@@ -454,8 +454,8 @@ def test_noise_benchmark_recovers_the_uncorrected_estimate_exactly():
     """The accuracy table's 'no FPC' column is the corrected run's norms solved with c = 1/B: it must
     equal what an engine without the correction reports on the same batches."""
     import noise as nb
-    from batchpilot.engine import Engine
-    from batchpilot.noise import NoiseConfig
+    from batchpilot.train.engine import Engine
+    from batchpilot.train.noise import NoiseConfig
 
     data = nb.Digits("flat")
     out = {}

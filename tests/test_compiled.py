@@ -14,13 +14,13 @@ import torch._dynamo
 from torch import nn
 
 import batchpilot as bp
-from batchpilot.compiled import (
+from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.core.compiled import (
     compilations, compiled_floor, compiled_modules, eager_while_tracked, is_compiled, mark_batch_dynamic,
     no_single_tail,
 )
-from batchpilot.engine import EngineConfig
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
-from batchpilot.probes import track_peak
+from batchpilot.memory.probes import track_peak
+from batchpilot.train.engine import EngineConfig
 
 
 class CountingBackend:

@@ -1,4 +1,4 @@
-"""Tests for batchpilot.data: the elastic batch sampler and the consumption-tracking loader."""
+"""Tests for batchpilot.train.data: the elastic batch sampler and the consumption-tracking loader."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from batchpilot.data import ElasticBatchSampler, ElasticLoader
+from batchpilot.train.data import ElasticBatchSampler, ElasticLoader
 
 
 @pytest.fixture(autouse=True)

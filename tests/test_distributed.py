@@ -1,4 +1,4 @@
-"""batchpilot.distributed: agreements, OOM on one rank, distributed finder, elastic resume.
+"""batchpilot.dist.distributed: agreements, OOM on one rank, distributed finder, elastic resume.
 
 The multi-process tests launch the real launcher (torchrun, 2 ranks, gloo on CPU) once for
 most scenarios (tests/helpers/dist_worker.py); the single-rank legs of the elastic round trip
@@ -18,9 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot import distributed as bd
-from batchpilot import gradsync
-from batchpilot.engine import Coordinator
+from batchpilot.dist import distributed as bd, gradsync
+from batchpilot.train.engine import Coordinator
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
@@ -100,9 +99,9 @@ def test_rank_helpers_fall_back_to_slurm_and_torchrun_wins(monkeypatch):
 
 def test_batching_and_data_use_the_distributed_rank_helpers(monkeypatch):
     # one owner of the lookup: the batch arithmetic and the sampler agree with it by construction
-    from batchpilot import batching, data
-    from batchpilot.batching import BatchConfig
-    from batchpilot.data import ElasticBatchSampler
+    from batchpilot.train import batching, data
+    from batchpilot.train.batching import BatchConfig
+    from batchpilot.train.data import ElasticBatchSampler
 
     assert batching._default_world_size is bd.world_size
     assert data._default_world_size is bd.world_size and data.known_rank is bd.known_rank

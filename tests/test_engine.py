@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
-from batchpilot.loss import supervised_loss
-from batchpilot.probes import emulate_capacity
+from batchpilot.core.loss import supervised_loss
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.train.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-import batchpilot.engine as engine_mod
-from batchpilot.engine import Engine, EngineConfig
-from batchpilot.models import MLP
-from batchpilot.probes import emulate_capacity, track_peak
+import batchpilot.train.engine as engine_mod
+from batchpilot.app.models import MLP
+from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.train.engine import Engine, EngineConfig
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 
@@ -141,7 +141,7 @@ def test_pressure_that_a_smaller_micro_batch_cannot_relieve_stops_shrinking(capl
     assert peaks[32] - peaks[16] < 0.05 * peaks[16]  # halving the micro-batch barely helps
     capacity = int(peaks[16] / 0.93)  # every micro-batch from 16 up is above a 0.9 high-water mark
     eng = Engine(model, opt, CE, global_batch_size=256, start=256, config=EngineConfig(high_water=0.9))
-    with caplog.at_level("WARNING", logger="batchpilot.engine"):
+    with caplog.at_level("WARNING", logger="batchpilot.train.engine"):
         with emulate_capacity(capacity, track=(model, opt)):
             results = [eng.step(b) for b in batches(model, 256, 6)]
     sizes = [r.micro_batch_size for r in results]

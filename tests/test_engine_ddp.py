@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchpilot.engine import Coordinator, Engine, EngineConfig, LocalCoordinator
+from batchpilot.train.engine import Coordinator, Engine, EngineConfig, LocalCoordinator
 
 from engine_utils import CE, InjectOOM, assert_params_close, batches, make, one_thread, params  # noqa: F401
 
@@ -106,7 +106,7 @@ def test_finder_trials_run_the_inner_module_and_are_undone(gloo):
 
 
 class DeferringCoordinator(LocalCoordinator):
-    """What batchpilot.distributed supplies: agree first, then all-reduce the gradients."""
+    """What batchpilot.dist.distributed supplies: agree first, then all-reduce the gradients."""
 
     defer_grad_sync = True
 

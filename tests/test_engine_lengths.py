@@ -1,4 +1,4 @@
-"""The engine sized by sequence length (batchpilot.engine_lengths): no OOM on long batches, exact updates."""
+"""The engine sized by sequence length (batchpilot.train.lengths): no OOM on long batches, exact updates."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from batchpilot import Engine, EngineConfig
-from batchpilot.engine_lengths import LengthConfig
-from batchpilot.lengths import UnverifiedLengthError
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
-from batchpilot.probes import emulate_capacity
+from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.policy.lengths import UnverifiedLengthError
+from batchpilot.train.lengths import LengthConfig
 
 CAP = "1MiB"
 N = 16

@@ -14,7 +14,7 @@ import torch
 import lengths_worker as lw
 from dist_launch import assert_params_close, read_result, torchrun
 
-from batchpilot.models import lm_loss
+from batchpilot.app.models import lm_loss
 
 pytestmark = pytest.mark.timeout(240)
 

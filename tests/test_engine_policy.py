@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.policy import MicroBatchPolicy, PeakFit, accum_steps, efficient_size
+from batchpilot.policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps, efficient_size
 
 
 @pytest.mark.parametrize("total,micro,expected", [(24, 10, 8), (24, 8, 8), (64, 20, 16), (10, 4, 4), (7, 100, 7), (5, 1, 1)])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchpilot.engine import Engine, EngineConfig
-from batchpilot.find_result import BatchPlan
-from batchpilot.probes import emulate_capacity
-from batchpilot.search import Trial
+from batchpilot.find.result import BatchPlan
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.policy.search import Trial
+from batchpilot.train.engine import Engine, EngineConfig
 
 from engine_utils import CE, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 
@@ -107,7 +107,7 @@ def test_bad_split_options():
 
 
 def test_the_engines_own_finder_times_the_curve_and_the_split_follows_it(monkeypatch):
-    from batchpilot import timing
+    from batchpilot.find import timing
 
     now = [0.0]
     monkeypatch.setattr(timing, "clock", lambda: now[0])

@@ -12,9 +12,9 @@ import logging
 
 import pytest
 
-from batchpilot.batching import BatchConfig
-from batchpilot.engine import Coordinator, Engine, EngineConfig, LocalCoordinator
-from batchpilot.probes import emulate_capacity
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.train.batching import BatchConfig
+from batchpilot.train.engine import Coordinator, Engine, EngineConfig, LocalCoordinator
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params  # noqa: F401
 
@@ -124,7 +124,7 @@ def test_state_keeps_the_global_batch_across_world_sizes(caplog):
     assert (state["global_batch_size"], state["world_size"], state["micro_batch_size"]) == (N, 2, N // 2)
 
     one = Engine(model, opt, CE, global_batch_size=N)  # the same global batch on one rank
-    with caplog.at_level(logging.INFO, logger="batchpilot.engine"):
+    with caplog.at_level(logging.INFO, logger="batchpilot.train.engine"):
         one.load_state_dict(state)
     assert (one.per_rank_batch_size, one.micro_batch_size, one.accum_steps) == (N, N // 2, 2)
     assert "saved on 2 rank(s), resumed on 1" in caplog.text
@@ -145,7 +145,7 @@ def test_state_for_another_global_batch_warns_and_version_one_loads(caplog):
     eng.step(next(batches(model, N, 1)))
     state = eng.state_dict()
     other = Engine(model, opt, CE, global_batch_size=N // 2)
-    with caplog.at_level(logging.WARNING, logger="batchpilot.engine"):
+    with caplog.at_level(logging.WARNING, logger="batchpilot.train.engine"):
         other.load_state_dict(state)
     assert f"saved for a global batch of {N}; this engine trains on {N // 2}" in caplog.text
     # version 1 stored the per-rank batch as global_batch_size and no world size

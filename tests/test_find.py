@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.batch import make_batch_fn
-from batchpilot.find_result import BatchPlan
-from batchpilot.finder import find_batch_size
-from batchpilot.front import find_batch_size_for
-from batchpilot.models import build_model, example_batch
-from batchpilot.probes import emulate_capacity, track_peak
-from batchpilot.search import BatchSizeError, NothingFitsError, OOM
-from batchpilot.snapshot import StateSnapshot
-from batchpilot.tracker import active_tracker
-from batchpilot.units import parse_bytes
+from batchpilot.app.models import build_model, example_batch
+from batchpilot.core.batch import make_batch_fn
+from batchpilot.find.finder import find_batch_size
+from batchpilot.find.front import find_batch_size_for
+from batchpilot.find.result import BatchPlan
+from batchpilot.find.snapshot import StateSnapshot
+from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.memory.tracker import active_tracker
+from batchpilot.memory.units import parse_bytes
+from batchpilot.policy.search import BatchSizeError, NothingFitsError, OOM
 
 CAPACITY = parse_bytes("4MiB")
 
@@ -244,7 +244,7 @@ def test_plan_first_verifies_the_plan_in_two_trials_with_the_same_answer(name, m
 
 
 def test_plan_first_leaves_out_the_example_batch_the_finder_keeps():
-    from batchpilot.plan import plan_batch_size
+    from batchpilot.plan.planner import plan_batch_size
 
     model, opt, _ = setup("mlp")
     pool = example_batch(model, 256, generator=torch.Generator().manual_seed(0))  # 66 KiB: ~15 samples' worth
@@ -275,7 +275,7 @@ def test_plan_first_falls_back_to_the_finder_when_the_step_cannot_be_planned(cap
     model = _ItemMLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     batch = example_batch(model.mlp, 4, generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.INFO, logger="batchpilot.front"):
+    with caplog.at_level(logging.INFO, logger="batchpilot.find.front"):
         plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY,
                                    plan_first=True)
     why = [r for r in caplog.records if "cannot be planned" in r.getMessage()]
@@ -287,12 +287,12 @@ def test_plan_first_falls_back_to_the_finder_when_the_step_cannot_be_planned(cap
 
 
 def test_plan_first_and_first_guess_are_exclusive_and_options_are_checked_before_planning(monkeypatch):
-    import batchpilot.plan
+    import batchpilot.plan.planner
 
     model, opt, batch = setup("mlp")
     kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY, plan_first=True)
     planned = []
-    monkeypatch.setattr(batchpilot.plan, "plan_batch_size", lambda *a, **k: planned.append(1))
+    monkeypatch.setattr(batchpilot.plan.planner, "plan_batch_size", lambda *a, **k: planned.append(1))
     with pytest.raises(BatchSizeError, match="first_guess or plan_first"):
         find_batch_size_for(model, batch, first_guess=8, **kw)
     with pytest.raises(BatchSizeError, match="target"):
@@ -309,7 +309,7 @@ def test_max_batch_size_bounds_the_search():
 
 
 def test_search_runs_the_built_step_under_another_search():
-    from batchpilot.distributed import find_batch_size_distributed
+    from batchpilot.dist.distributed import find_batch_size_distributed
 
     model, opt, batch = setup("cnn")
     calls = []
@@ -345,7 +345,7 @@ def test_eval_mode_runs_under_inference_mode_and_fits_more():
 
 def test_plan_to_dict_is_json_and_logs_one_line_per_trial(caplog):
     model, opt, batch = setup("transformer")
-    with caplog.at_level(logging.INFO, logger="batchpilot.finder"):
+    with caplog.at_level(logging.INFO, logger="batchpilot.find.finder"):
         plan = find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
     assert isinstance(plan, BatchPlan)
     d = json.loads(json.dumps(plan.to_dict()))
@@ -426,7 +426,7 @@ def test_nothing_fits_reports_the_smallest_peak_and_capacity(capacity):
     cap = parse_bytes(capacity)
     assert err.capacity_bytes == cap and err.batch_size == 1 and err.peak_bytes is not None
     assert "batch size 1" in str(err) and f"({cap} bytes)" in str(err)
-    from batchpilot.units import format_bytes
+    from batchpilot.memory.units import format_bytes
     assert format_bytes(err.peak_bytes) in str(err)
     assert_same_state(before, state_of(model, opt))
 
@@ -439,9 +439,9 @@ _RLIMIT_WORKER = textwrap.dedent('''
     import json, resource, sys
     import torch
     torch.set_num_threads(1)  # threads reserve stacks and malloc arenas: keep the address space predictable
-    from batchpilot.front import find_batch_size_for
-    from batchpilot.models import MLP
-    from batchpilot.snapshot import StateSnapshot
+    from batchpilot.find.front import find_batch_size_for
+    from batchpilot.app.models import MLP
+    from batchpilot.find.snapshot import StateSnapshot
 
     def vm_size():
         with open("/proc/self/status") as f:
@@ -513,8 +513,8 @@ def test_a_trial_predicted_past_a_killing_limit_is_refused_and_never_run():
     """The 42-million-sample trial of a machine-sized capacity: refused from the measured line, not run."""
     from types import SimpleNamespace
 
-    from batchpilot.finder import _TrialRunner
-    from batchpilot.search import FIT, REFUSED, SearchSpace, Trial
+    from batchpilot.find.finder import _TrialRunner
+    from batchpilot.policy.search import FIT, REFUSED, SearchSpace, Trial
 
     ran: list[int] = []
     gauge = SimpleNamespace(kills=True, limits=SimpleNamespace(binding="cgroup"))  # a limit that kills

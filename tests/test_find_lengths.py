@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from batchpilot import find_batch_size_for
-from batchpilot.find_lengths import LengthPlan
-from batchpilot.lengths import choose_fit_lengths
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.find.lengths import LengthPlan
+from batchpilot.policy.lengths import choose_fit_lengths
 
 CAP = "1MiB"
 

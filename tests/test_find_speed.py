@@ -1,7 +1,7 @@
 """The finder's timed trials and the throughput objective, on a fake clock (deterministic).
 
 Each test's step really trains a small model under an emulated capacity (memory is real and
-exact) and moves :data:`batchpilot.timing.clock` forward by a step-time curve written in plain
+exact) and moves :data:`batchpilot.find.timing.clock` forward by a step-time curve written in plain
 Python, so the times, and every choice made on them, are known exactly.
 """
 
@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot import timing
 from batchpilot.app.report import SCHEMAS, plan_record, to_json
-from batchpilot.batch import make_batch_fn
-from batchpilot.finder import _TrialRunner, find_batch_size
-from batchpilot.front import find_batch_size_for
-from batchpilot.gauge import Gauge
-from batchpilot.search import BatchSizeError, SearchSpace
-from batchpilot.snapshot import StateSnapshot
-from batchpilot.speed import ThroughputSearch, choose_fastest
-from batchpilot.tracker import active_tracker
+from batchpilot.core.batch import make_batch_fn
+from batchpilot.find import timing
+from batchpilot.find.finder import _TrialRunner, find_batch_size
+from batchpilot.find.front import find_batch_size_for
+from batchpilot.find.snapshot import StateSnapshot
+from batchpilot.memory.gauge import Gauge
+from batchpilot.memory.tracker import active_tracker
+from batchpilot.policy.search import BatchSizeError, SearchSpace
+from batchpilot.policy.speed import ThroughputSearch, choose_fastest
 
 from test_find import CAPACITY, assert_same_state, setup, state_of
 

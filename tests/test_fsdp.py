@@ -1,4 +1,4 @@
-"""batchpilot.fsdp: FSDP2 in the engine and the finder (lockstep, replay, hang guard), and its planner.
+"""batchpilot.dist.fsdp: FSDP2 in the engine and the finder (lockstep, replay, hang guard), and its planner.
 
 The 2-rank tests launch torchrun once for the engine, finder and planner scenarios
 (tests/helpers/fsdp_worker.py) and once more for the hang guard, which aborts its process
@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from batchpilot import distributed as bd
-from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
-from batchpilot.fsdp import FSDPCoordinator
-from batchpilot.models import MLP, TinyGPT
-from batchpilot.plan import estimate_peak_memory, plan_batch_size
-from batchpilot.plan_result import PlanningError
-from batchpilot.probes import emulate_capacity, track_peak
-from batchpilot.sharding import _param_groups, fsdp_roots, is_fsdp, reset_fsdp_state, shard_blocks, shard_model
+from batchpilot.app.models import MLP, TinyGPT
+from batchpilot.core.sharding import _param_groups, fsdp_roots, is_fsdp, reset_fsdp_state, shard_blocks, shard_model
+from batchpilot.dist import distributed as bd
+from batchpilot.dist.fsdp import FSDPCoordinator
+from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.plan.planner import estimate_peak_memory, plan_batch_size
+from batchpilot.plan.result import PlanningError
+from batchpilot.train.engine import Engine, EngineConfig, LocalCoordinator
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 sys.path.insert(0, str(HELPERS))
@@ -71,8 +71,8 @@ def test_shard_blocks_finds_the_repeated_layers():
 def test_collective_oom_error_is_never_retried_as_an_oom_and_pickles():
     import pickle
 
-    from batchpilot.fsdp import CollectiveOOMError
-    from batchpilot.oom import is_oom
+    from batchpilot.dist.fsdp import CollectiveOOMError
+    from batchpilot.memory.oom import is_oom
 
     exc = CollectiveOOMError("rank 1 ran out of memory at micro-batch 8: CUDA out of memory. Tried to allocate 2 GiB",
                              rank=1, micro_batch_size=8, step=3)

@@ -1,4 +1,4 @@
-"""The figure each device is judged on (batchpilot.gauge); CUDA's with its driver calls stubbed."""
+"""The figure each device is judged on (batchpilot.memory.gauge); CUDA's with its driver calls stubbed."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import types
 import pytest
 import torch
 
-from batchpilot.gauge import DeviceGauge, ResidentGauge, TensorGauge, gauge_for
-from batchpilot.probes import emulate_capacity
-from batchpilot.tracker import StorageTracker
+from batchpilot.memory.gauge import DeviceGauge, ResidentGauge, TensorGauge, gauge_for
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.memory.tracker import StorageTracker
 
 GiB, MiB = 2**30, 2**20
 

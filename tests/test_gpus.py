@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.gpus import (
+from batchpilot.plan.gpus import (
     CUBLAS_WORKSPACE_DEFAULT,
     CUBLAS_WORKSPACE_HOPPER,
     GPUS,

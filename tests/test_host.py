@@ -1,4 +1,4 @@
-"""What limits a process's memory on the host (batchpilot.host), and the resident peak."""
+"""What limits a process's memory on the host (batchpilot.memory.host), and the resident peak."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot.host import HostLimits, ResidentPeak, cgroup_dirs, host_limits, resident_bytes, trim_host_memory
+from batchpilot.memory.host import (
+    HostLimits, ResidentPeak, cgroup_dirs, host_limits, resident_bytes, trim_host_memory,
+)
 
 GiB = 2**30
 
@@ -71,7 +73,7 @@ def test_the_resident_peak_resets_and_sees_a_spike():
 
 def test_rlimit_as_is_read_in_a_child():
     code = (
-        "import resource; from batchpilot.host import host_limits\n"
+        "import resource; from batchpilot.memory.host import host_limits\n"
         "resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))\n"
         "l = host_limits(); print(l.rlimit_as_bytes, l.headrooms()['rlimit_as'] > 0)\n"
     )

@@ -1,4 +1,4 @@
-"""The pure 2-D memory model, the per-length budget and the longest-first split (batchpilot.lengths)."""
+"""The pure 2-D memory model, the per-length budget and the longest-first split (batchpilot.policy.lengths)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from batchpilot import lengths as lengths_mod
-from batchpilot.lengths import (
+from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.memory.probes import track_peak
+from batchpilot.policy import lengths as lengths_mod
+from batchpilot.policy.lengths import (
     LengthBudget, LengthFit, UnverifiedLengthError, check_lengths, fit_lengths, fit_lengths_for, plan_length_split,
 )
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
-from batchpilot.probes import track_peak
 
 
 def test_docstring_sequences() -> None:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.models import MLP, SmallCNN
-from batchpilot.oom import is_oom
-from batchpilot.probes import emulate_capacity, get_probe, track_peak
-from batchpilot.snapshot import StateSnapshot
-from batchpilot.tracker import StorageTracker, active_tracker, untracked
-from batchpilot.units import format_bytes, parse_bytes, resolve_device
+from batchpilot.app.models import MLP, SmallCNN
+from batchpilot.find.snapshot import StateSnapshot
+from batchpilot.memory.oom import is_oom
+from batchpilot.memory.probes import emulate_capacity, get_probe, track_peak
+from batchpilot.memory.tracker import StorageTracker, active_tracker, untracked
+from batchpilot.memory.units import format_bytes, parse_bytes, resolve_device
 
 
 def nbytes(t: torch.Tensor) -> int:

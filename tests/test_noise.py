@@ -1,4 +1,4 @@
-"""batchpilot.noise: the gradient noise scale, from the pure estimator to the engine's measurement.
+"""batchpilot.train.noise: the gradient noise scale, from the pure estimator to the engine's measurement.
 
 The reference problem is linear regression with Gaussian inputs and noise, where the true
 values are known in closed form: with ``x ~ N(0, I_d)``, ``y = x·w* + ε``, ``ε ~ N(0, σ²)``
@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
-from batchpilot.data import ElasticBatchSampler
-from batchpilot import noise as noise_module
-from batchpilot.engine import Engine
-from batchpilot.noise import NoiseConfig, NoiseScale, population_factor, squared_norm, unbiased_estimates
-from batchpilot.schedule import AdaptiveSchedule
+from batchpilot.policy.schedule import AdaptiveSchedule
+from batchpilot.train import noise as noise_module
+from batchpilot.train.data import ElasticBatchSampler
+from batchpilot.train.engine import Engine
+from batchpilot.train.noise import NoiseConfig, NoiseScale, population_factor, squared_norm, unbiased_estimates
 
 from engine_utils import CE, assert_params_close, batches, make, one_thread, params  # noqa: F401
 
@@ -127,7 +127,7 @@ def test_config_errors_say_what_to_change():
     with pytest.raises(ValueError, match='split must be True, False or "auto"'):
         NoiseConfig(split="yes")
     model, opt = make("mlp")
-    with pytest.raises(TypeError, match="noise must be True, False or a batchpilot.noise.NoiseConfig"):
+    with pytest.raises(TypeError, match="noise must be True, False or a batchpilot.train.noise.NoiseConfig"):
         Engine(model, opt, CE, global_batch_size=8, noise="first")
     with pytest.raises(ValueError, match="follows the gradient noise scale; leave noise on"):
         Engine(model, opt, CE, global_batch_size=8, noise=False, schedule=AdaptiveSchedule())

@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 
-from batchpilot.oom import OOMReport, attempt, free_memory, is_fatal_device_error, is_oom, parse_oom_message
-from batchpilot.probes import emulate_capacity
+from batchpilot.memory.oom import OOMReport, attempt, free_memory, is_fatal_device_error, is_oom, parse_oom_message
+from batchpilot.memory.probes import emulate_capacity
 
 from conftest import run_helper
 

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from batchpilot.gpus import GPUS, CudaAccounting
-from batchpilot.models import MLP, SmallCNN, build_model, example_batch
-from batchpilot.plan import _search_boundary, default_step, estimate_peak_memory, plan_batch_size
-from batchpilot.plan_result import MemoryEstimate, PlanningError
-from batchpilot.probes import track_peak
+from batchpilot.app.models import MLP, SmallCNN, build_model, example_batch
+from batchpilot.memory.probes import track_peak
+from batchpilot.plan.gpus import GPUS, CudaAccounting
+from batchpilot.plan.planner import _search_boundary, default_step, estimate_peak_memory, plan_batch_size
+from batchpilot.plan.result import MemoryEstimate, PlanningError
 
 
 class Checkpointed(nn.Module):

@@ -1,13 +1,13 @@
-"""The planner per sequence length (batchpilot.plan_lengths): fake runs at two or three lengths, a table for all."""
+"""The planner per sequence length (batchpilot.plan.lengths): fake runs at two or three lengths, a table for all."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchpilot.models import TinyGPT, lm_loss, padded_lm_batch
-from batchpilot.plan import plan_batch_size
-from batchpilot.plan_lengths import plan_per_length
+from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.plan.lengths import plan_per_length
+from batchpilot.plan.planner import plan_batch_size
 
 OPTIONS = dict(capacity="1MiB", optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), loss_fn=lm_loss,
                max_batch_size=32)

@@ -1,4 +1,4 @@
-"""batchpilot.schedule: pure schedule arithmetic (property-tested), and the engine following it.
+"""batchpilot.policy.schedule: pure schedule arithmetic (property-tested), and the engine following it.
 
 The engine tests train for real (fp32, SGD with momentum) and compare against an uninterrupted
 run at rtol 1e-5; data goes through the elastic sampler, so "exactly once" is checked on the
@@ -17,14 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from batchpilot.batching import rescale_lr, rescale_weight_decay, scale_lr
-from batchpilot.data import ElasticBatchSampler, ElasticLoader
-from batchpilot.engine import Engine, LocalCoordinator
-from batchpilot.noise import NoiseConfig
-from batchpilot.policy import MicroBatchPolicy
-from batchpilot.schedule import (
+from batchpilot.policy.microbatch import MicroBatchPolicy
+from batchpilot.policy.schedule import (
     AdaptiveSchedule, ConstantSchedule, RampSchedule, SchedulePoint, parse_schedule, round_to_multiple,
 )
+from batchpilot.train.batching import rescale_lr, rescale_weight_decay, scale_lr
+from batchpilot.train.data import ElasticBatchSampler, ElasticLoader
+from batchpilot.train.engine import Engine, LocalCoordinator
+from batchpilot.train.noise import NoiseConfig
 
 from engine_utils import CE, assert_params_close, one_thread, params  # noqa: F401
 
@@ -312,7 +312,7 @@ def test_a_schedule_starts_from_the_reference_lr_and_warns_a_loader_that_does_no
     engine.step((x, y))
     engine.step((x, y))
     assert engine.global_batch_size == 96  # 64 samples consumed
-    with caplog.at_level("WARNING", logger="batchpilot.engine"):
+    with caplog.at_level("WARNING", logger="batchpilot.train.engine"):
         engine.step((x, y))  # the loader kept giving 32
         engine.step((x, y))
     assert "the data loader did not follow" in caplog.text

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pure import modules_loaded_alone
 
-from batchpilot.search import (
+from batchpilot.policy.search import (
     FIT,
     OOM,
     OVER_TARGET,
@@ -345,11 +345,11 @@ def test_run_search_max_trials():
     assert seq == [1, 2, 4] and res.batch_size == 4 and res.stop_reason == "max_trials"
 
 
-@pytest.mark.parametrize("module", ["search", "policy", "_checks"])
+@pytest.mark.parametrize("module", ["policy.search", "policy.microbatch", "_checks"])
 def test_pure_modules_do_not_import_torch(module):
-    out = modules_loaded_alone(module, then="print(mod.decay_batch_step(256))" if module == "search" else "")
+    out = modules_loaded_alone(module, then="print(mod.decay_batch_step(256))" if module == "policy.search" else "")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split()
     assert lines[0] == "[]", f"{module} imported {lines[0]}"
-    if module == "search":
+    if module == "policy.search":
         assert lines[1] == "192"

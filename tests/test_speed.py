@@ -9,9 +9,9 @@ import pytest
 
 from pure import modules_loaded_alone
 
-from batchpilot.policy import balanced_sizes
-from batchpilot.search import Trial
-from batchpilot.speed import (
+from batchpilot.policy.microbatch import balanced_sizes
+from batchpilot.policy.search import Trial
+from batchpilot.policy.speed import (
     ThroughputSearch,
     TimeCurve,
     TimeFit,
@@ -288,7 +288,7 @@ def test_split_seconds_counts_each_balanced_micro_batch():
 
 
 def test_speed_is_pure():
-    out = modules_loaded_alone("speed", then="print(mod.choose_split(256, 200).sizes)")
+    out = modules_loaded_alone("policy.speed", then="print(mod.choose_split(256, 200).sizes)")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "[]", f"speed imported {lines[0]}"

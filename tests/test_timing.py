@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from batchpilot import timing
-from batchpilot.probes import emulate_capacity
-from batchpilot.tracker import StorageTracker, active_tracker
+from batchpilot.find import timing
+from batchpilot.memory.probes import emulate_capacity
+from batchpilot.memory.tracker import StorageTracker, active_tracker
 
 
 def test_a_timed_step_is_synchronised_before_and_after(monkeypatch):

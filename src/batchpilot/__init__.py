@@ -10,37 +10,37 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .batching import BatchConfig, rescale_lr, rescale_weight_decay, scale_lr
-from .data import ElasticBatchSampler, ElasticLoader
-from .engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
-from .engine_lengths import LengthConfig
-from .find_lengths import LengthPlan
-from .find_result import BatchPlan
-from .finder import find_batch_size
-from .front import find_batch_size_for
-from .lengths import LengthBudget, LengthFit, UnverifiedLengthError
-from .noise import NoiseConfig, NoiseSample
-from .oom import attempt, free_memory, is_oom
-from .probes import emulate_capacity, get_probe, track_peak
-from .schedule import AdaptiveSchedule, ConstantSchedule, RampSchedule, parse_schedule
-from .search import BatchSizeError, NothingFitsError
-from .tracker import StorageTracker
-from .units import parse_bytes
+from .find.finder import find_batch_size
+from .find.front import find_batch_size_for
+from .find.lengths import LengthPlan
+from .find.result import BatchPlan
+from .memory.oom import attempt, free_memory, is_oom
+from .memory.probes import emulate_capacity, get_probe, track_peak
+from .memory.tracker import StorageTracker
+from .memory.units import parse_bytes
+from .policy.lengths import LengthBudget, LengthFit, UnverifiedLengthError
+from .policy.schedule import AdaptiveSchedule, ConstantSchedule, RampSchedule, parse_schedule
+from .policy.search import BatchSizeError, NothingFitsError
+from .train.batching import BatchConfig, rescale_lr, rescale_weight_decay, scale_lr
+from .train.data import ElasticBatchSampler, ElasticLoader
+from .train.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from .train.lengths import LengthConfig
+from .train.noise import NoiseConfig, NoiseSample
 
 __version__ = "0.2.0"
 
 _LAZY = {
-    "estimate_peak_memory": "plan",
-    "plan_batch_size": "plan",
-    "PlanningError": "plan",
-    "MemoryEstimate": "plan",
-    "PlanResult": "plan",
-    "DistributedCoordinator": "distributed",
-    "find_batch_size_distributed": "distributed",
-    "init_distributed": "distributed",
-    "FSDPCoordinator": "fsdp",
-    "CollectiveOOMError": "fsdp",
-    "find_batch_size_fsdp": "fsdp",
+    "estimate_peak_memory": "plan.planner",
+    "plan_batch_size": "plan.planner",
+    "PlanningError": "plan.result",
+    "MemoryEstimate": "plan.result",
+    "PlanResult": "plan.result",
+    "DistributedCoordinator": "dist.distributed",
+    "find_batch_size_distributed": "dist.distributed",
+    "init_distributed": "dist.distributed",
+    "FSDPCoordinator": "dist.fsdp",
+    "CollectiveOOMError": "dist.fsdp",
+    "find_batch_size_fsdp": "dist.fsdp",
     "TrainConfig": "app.trainjob",
     "run_training": "app.trainjob",
 }

@@ -17,7 +17,7 @@ import pytest
 
 from batchpilot.app import report
 from batchpilot.app.cli import build_parser
-from batchpilot.models import MLP
+from batchpilot.app.models import MLP
 
 from test_report import png_size
 
@@ -195,7 +195,7 @@ def test_plan_human_output_and_model_factories(cli, tmp_path):
     assert doc["estimate"]["parameters"] == (48 * 7 + 7) * 4  # the factory was given num_classes=7
     assert doc["model"] == f"{factory}:build"
 
-    status, out, err = cli("plan", "--model", "batchpilot.models:MLP", "--input-shape", "64", "--num-classes", "3",
+    status, out, err = cli("plan", "--model", "batchpilot.app.models:MLP", "--input-shape", "64", "--num-classes", "3",
                            "--capacity", "16MiB", "--json")
     assert status == 0, err
     params = sum(p.numel() for p in MLP(num_classes=3).parameters())
@@ -635,7 +635,7 @@ def test_find_plan_first_on_an_unplannable_model_notes_it_and_searches(cli, tmp_
 
 
 def test_strategy_choices_are_the_library_strategies():
-    from batchpilot.search import STRATEGIES
+    from batchpilot.policy.search import STRATEGIES
 
     subs = _subparsers(build_parser())
     for command in ("find", "train"):
@@ -649,7 +649,7 @@ def test_main_shows_only_the_batchpilot_logger_and_puts_logging_back(cli):
     before = (ours.handlers[:], ours.level, ours.propagate, root.handlers[:], root.level, fake.level)
     status, _, err = cli("plan", "-v", "--model", "mlp", "--capacity", "16MiB")
     assert status == 0
-    assert "INFO batchpilot.plan: planned batch" in err  # -v: our INFO lines, through our handler
+    assert "INFO batchpilot.plan.planner: planned batch" in err  # -v: our INFO lines, through our handler
     assert (ours.handlers, ours.level, ours.propagate, root.handlers, root.level, fake.level) == before
 
 

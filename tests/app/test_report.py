@@ -17,9 +17,9 @@ import torch
 from batchpilot.app import report
 from batchpilot.app.datasets import load_digits
 from batchpilot.app.trainjob import TrainConfig
-from batchpilot.find_result import BatchPlan, MemoryFit
-from batchpilot.search import Trial
-from batchpilot.speed import TimeFit
+from batchpilot.find.result import BatchPlan, MemoryFit
+from batchpilot.policy.search import Trial
+from batchpilot.policy.speed import TimeFit
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from batchpilot import distributed as bd
-from batchpilot.data import ElasticBatchSampler, ElasticLoader
-from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
-from batchpilot.models import MLP
-from batchpilot.probes import emulate_capacity, track_peak
+from batchpilot.app.models import MLP
+from batchpilot.dist import distributed as bd
+from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.train.data import ElasticBatchSampler, ElasticLoader
+from batchpilot.train.engine import Engine, EngineConfig, LocalCoordinator
 
 # -- OOM on one rank ---------------------------------------------------------------------------
 

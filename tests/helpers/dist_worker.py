@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist_common as dc  # noqa: E402
 from scenario_main import run_scenarios  # noqa: E402
 
-from batchpilot import distributed as bd  # noqa: E402
+from batchpilot.dist import distributed as bd  # noqa: E402
 
 
 def collectives(out: Path) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from rlimit import cap_address_space, rss_bytes  # noqa: E402
 
-from batchpilot.engine import Engine  # noqa: E402
+from batchpilot.train.engine import Engine  # noqa: E402
 
 # The headroom stays above glibc's 64 MiB per-thread arena reservation, so that the OOMs come
 # from the tensors, not from malloc's bookkeeping.

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rlimit import cap_address_space  # noqa: E402
 
 from batchpilot import find_batch_size  # noqa: E402
-from batchpilot.models import MLP, SmallCNN, TransformerBlockModel  # noqa: E402
-from batchpilot.oom import attempt, free_memory  # noqa: E402
+from batchpilot.app.models import MLP, SmallCNN, TransformerBlockModel  # noqa: E402
+from batchpilot.memory.oom import attempt, free_memory  # noqa: E402
 
 torch.set_num_threads(1)
 # convolution back ends that allocate outside PyTorch's allocator segfault under RLIMIT_AS

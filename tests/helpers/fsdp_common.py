@@ -18,13 +18,13 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn import functional as F
 
-from batchpilot import distributed as bd
-from batchpilot.engine import Engine, EngineConfig, LocalCoordinator
-from batchpilot.front import find_batch_size_for
-from batchpilot.fsdp import CollectiveOOMError, FSDPCoordinator, find_batch_size_fsdp
-from batchpilot.models import MLP
-from batchpilot.probes import emulate_capacity, track_peak
-from batchpilot.sharding import shard_model
+from batchpilot.app.models import MLP
+from batchpilot.core.sharding import shard_model
+from batchpilot.dist import distributed as bd
+from batchpilot.dist.fsdp import CollectiveOOMError, FSDPCoordinator, find_batch_size_fsdp
+from batchpilot.find.front import find_batch_size_for
+from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.train.engine import Engine, EngineConfig, LocalCoordinator
 
 FEATURES = 16
 CLASSES = 8
@@ -274,7 +274,7 @@ def run_guard(out: Path) -> None:
     # what each rank says, as it says it: the launcher stops the others once one process exits
     log = logging.FileHandler(out / f"guard_rank{rank}.log")
     log.setLevel(logging.ERROR)
-    logging.getLogger("batchpilot.fsdp").addHandler(log)
+    logging.getLogger("batchpilot.dist.fsdp").addHandler(log)
     ag = InjectAllGather(Clock, set(), always_from=GUARD_FROM if rank == 1 else None)
     model, opt = sharded({"all_gather": ag})
     engine = Engine(model, opt, ce_loss, global_batch_size=GLOBAL, start=GUARD_MICRO,

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchpilot import distributed as bd
-from batchpilot.data import ElasticBatchSampler
-from batchpilot.engine import Engine
-from batchpilot.noise import NoiseConfig
-from batchpilot.schedule import AdaptiveSchedule, RampSchedule
+from batchpilot.dist import distributed as bd
+from batchpilot.policy.schedule import AdaptiveSchedule, RampSchedule
+from batchpilot.train.data import ElasticBatchSampler
+from batchpilot.train.engine import Engine
+from batchpilot.train.noise import NoiseConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 from scenario_main import run_scenarios  # noqa: E402

@@ -14,7 +14,7 @@ from torch import nn
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from rlimit import cap_address_space, rss_bytes  # noqa: E402
 
-from batchpilot.oom import attempt, is_oom  # noqa: E402
+from batchpilot.memory.oom import attempt, is_oom  # noqa: E402
 
 torch.set_num_threads(1)
 torch.manual_seed(0)

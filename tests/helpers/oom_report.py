@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from rlimit import cap_address_space  # noqa: E402
 
-from batchpilot.oom import attempt  # noqa: E402
+from batchpilot.memory.oom import attempt  # noqa: E402
 
 torch.empty(16).add_(1)  # allocator and kernels loaded before the cap
 cap_address_space(64 * 2**20)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from batchpilot import distributed as bd
+from batchpilot.dist import distributed as bd
 
 
 def run_scenarios(scenarios: dict[str, Callable[[Path], None]]) -> None:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from dist_launch import torchrun  # noqa: E402  (tests/helpers)
 
 from batchpilot.integrations.accelerate import find_executable_batch_size  # noqa: E402
-from batchpilot.probes import emulate_capacity  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 g = torch.Generator().manual_seed(0)
@@ -78,7 +78,7 @@ def test_the_drop_in_searches_with_short_trials_then_runs_once():
 
 
 def test_a_global_batch_searches_only_the_micro_batches_that_divide_it():
-    from batchpilot.batching import BatchConfig
+    from batchpilot.train.batching import BatchConfig
 
     seen: list[int] = []
 

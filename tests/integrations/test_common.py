@@ -11,7 +11,7 @@ import pytest
 
 from batchpilot.integrations import BatchSetup, SizingOptions
 from batchpilot.integrations._common import choose_batches
-from batchpilot.search import BatchSizeError
+from batchpilot.policy.search import BatchSizeError
 
 FRAMEWORKS = ("lightning", "transformers", "accelerate")
 

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_job as job  # noqa: E402  (tests/helpers)
 from dist_launch import torchrun  # noqa: E402
 
-from batchpilot.batching import scale_lr  # noqa: E402
 from batchpilot.integrations.lightning import BatchSizeCallback, ResilientModule  # noqa: E402
+from batchpilot.train.batching import scale_lr  # noqa: E402
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
@@ -224,7 +224,7 @@ def test_resilient_module_alone_searches_on_its_first_batch_and_resumes_from_a_c
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    from batchpilot.probes import emulate_capacity
+    from batchpilot.memory.probes import emulate_capacity
 
     module = Net()
     t = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -261,7 +261,7 @@ def test_resilient_module_refuses_automatic_optimization_and_explains_compute_lo
 
 @pytest.mark.gpu
 def test_on_cuda_the_callback_sizes_for_an_emulated_card_and_the_module_trains_within_it():
-    from batchpilot.probes import emulate_capacity
+    from batchpilot.memory.probes import emulate_capacity
 
     X, Y = job.data()
 

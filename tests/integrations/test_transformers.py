@@ -13,15 +13,15 @@ pytest.importorskip("transformers", reason="needs transformers: pip install -e '
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from batchpilot.batching import scale_lr  # noqa: E402
-from batchpilot.front import find_batch_size_for  # noqa: E402
+from batchpilot.train.batching import scale_lr  # noqa: E402
+from batchpilot.find.front import find_batch_size_for  # noqa: E402
 from batchpilot.integrations.transformers import (  # noqa: E402
     ResilientTrainer,
     ResilientTrainerMixin,
     configure_batch_size,
     hf_loss,
 )
-from batchpilot.probes import emulate_capacity  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 
 VOCAB, T = 64, 16
 

@@ -113,7 +113,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from ..units import format_bytes
+from ..memory.units import format_bytes
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -256,8 +256,8 @@ def _int_or_none(v: Any) -> int | None:
 def length_record(lengths: Any) -> dict[str, Any]:
     """The ``per_length`` / ``length_fit`` / ``fitted_lengths`` keys of a ``find`` or ``plan`` document.
 
-    ``lengths`` is a :class:`~batchpilot.find_lengths.LengthPlan`, a
-    :class:`~batchpilot.plan_lengths.LengthPlanResult`, or ``None`` (all three ``null``).
+    ``lengths`` is a :class:`~batchpilot.find.lengths.LengthPlan`, a
+    :class:`~batchpilot.plan.lengths.LengthPlanResult`, or ``None`` (all three ``null``).
     """
     if lengths is None:
         return {"per_length": None, "length_fit": None, "fitted_lengths": None}

@@ -1,19 +1,19 @@
 """The main job: train a real model on the bundled digits with every batchpilot piece switched on.
 
-1. The engine (:class:`batchpilot.engine.Engine`) sizes its first micro-batch with the
+1. The engine (:class:`batchpilot.train.engine.Engine`) sizes its first micro-batch with the
    finder on the first batch, holds the global batch fixed, splits it into
    micro-batches, recovers from OOMs and grows the micro-batch back.
 2. The finder's plan (``engine.plan``) goes into the run log.
 3. The learning rate is scaled from ``lr_base`` at ``lr_base_size`` by rule
-   (:func:`batchpilot.batching.scale_lr`); a cosine schedule decays it per step.
-4. An elastic batch sampler (:class:`batchpilot.data.ElasticBatchSampler`) deals the epochs.
+   (:func:`batchpilot.train.batching.scale_lr`); a cosine schedule decays it per step.
+4. An elastic batch sampler (:class:`batchpilot.train.data.ElasticBatchSampler`) deals the epochs.
 5. On CPU the device is an emulated one of ``capacity`` bytes (``emulate_capacity``: a real
    ``torch.OutOfMemoryError`` past it); on CUDA ``capacity`` caps the memory fraction.
    A *squeeze* lowers the capacity for a window of steps, as another job grabbing memory
    would: the engine runs out of memory, shrinks, and grows back when the memory returns.
-6. The engine measures the gradient noise scale (:mod:`batchpilot.noise`, with the
+6. The engine measures the gradient noise scale (:mod:`batchpilot.train.noise`, with the
    finite-population correction for the training split), and a batch schedule
-   (:mod:`batchpilot.schedule`) may move the global batch; the sampler follows it.
+   (:mod:`batchpilot.policy.schedule`) may move the global batch; the sampler follows it.
 
 The run log is a plain dict (schema: :mod:`batchpilot.app.report`), written with the plot to
 ``out`` when given. Nothing here prints; progress goes to a tqdm bar on stderr.
@@ -33,20 +33,20 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..amp import AMP_MODES, amp_dtype, autocast
-from ..batching import is_adaptive, scale_lr
-from ..data import ElasticBatchSampler
-from ..engine import Engine, EngineConfig, StepResult
-from ..loss import supervised_loss
-from ..models import MLP, SmallCNN
-from ..noise import NOISE_MODES, NoiseConfig
-from ..oom import is_oom
-from ..probes import emulate_capacity, get_probe, track_peak
-from ..schedule import BatchSchedule, ConstantSchedule, LR_SCALE_RULES, parse_schedule
-from ..search import STRATEGIES
-from ..units import format_bytes, parse_bytes, resolve_device
+from ..core.amp import AMP_MODES, amp_dtype, autocast
+from ..core.loss import supervised_loss
+from ..memory.oom import is_oom
+from ..memory.probes import emulate_capacity, get_probe, track_peak
+from ..memory.units import format_bytes, parse_bytes, resolve_device
+from ..policy.schedule import BatchSchedule, ConstantSchedule, LR_SCALE_RULES, parse_schedule
+from ..policy.search import STRATEGIES
+from ..train.batching import is_adaptive, scale_lr
+from ..train.data import ElasticBatchSampler
+from ..train.engine import Engine, EngineConfig, StepResult
+from ..train.noise import NOISE_MODES, NoiseConfig
 from . import report
 from .datasets import DigitsSplit, load_digits
+from .models import MLP, SmallCNN
 
 __all__ = [
     "TrainConfig", "TrainResult", "JobError", "run_training", "call_model_factory", "check_model", "make_optimizer",
@@ -84,7 +84,7 @@ class TrainConfig:
         batch_size: the global batch: samples per optimizer step, held fixed (with a batch
             schedule: the batch the LR is tuned for, the ramp's final batch, adaptive's maximum).
         batch_schedule: ``constant``, ``ramp:START,INCR,SAMPLES`` or ``adaptive[:k=K,min=N,...]``
-            (:func:`batchpilot.schedule.parse_schedule`); the LR follows by ``lr_base_scale``.
+            (:func:`batchpilot.policy.schedule.parse_schedule`); the LR follows by ``lr_base_scale``.
         noise: how the engine measures the gradient noise scale: ``auto`` (``every`` under the
             adaptive schedule, else ``first``), ``first``, ``every`` or ``off``.
         scale_weight_decay: at each batch change rescale weight decay too, keeping AdamW's
@@ -484,8 +484,8 @@ def run_training(config: TrainConfig) -> TrainResult:
     """Train, evaluate, and write ``run.json`` / ``run.png`` to ``config.out`` if set.
 
     Raises:
-        batchpilot.search.NothingFitsError: the finder found no batch that fits.
-        batchpilot.engine.BatchDoesNotFitError: even a micro-batch of 1 ran out of memory.
+        batchpilot.policy.search.NothingFitsError: the finder found no batch that fits.
+        batchpilot.train.engine.BatchDoesNotFitError: even a micro-batch of 1 ran out of memory.
         JobError: a global batch larger than the training split, a squeeze that does not
             take memory away, or a model factory that returns no module.
         ValueError: a batch schedule whose batches do not fit its bounds.

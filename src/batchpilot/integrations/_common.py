@@ -10,11 +10,11 @@ from types import ModuleType
 from typing import Any
 
 from .._checks import positive_int
-from ..batching import BatchConfig, config_for_limit, is_adaptive
-from ..find_result import BatchPlan
-from ..finder import FinderConfig
-from ..policy import efficient_size
-from ..schedule import LR_SCALE_RULES
+from ..find.finder import FinderConfig
+from ..find.result import BatchPlan
+from ..policy.microbatch import efficient_size
+from ..policy.schedule import LR_SCALE_RULES
+from ..train.batching import BatchConfig, config_for_limit, is_adaptive
 
 __all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "lr_rule_for"]
 
@@ -52,20 +52,20 @@ class SizingOptions:
             the job was configured with before sizing.
         lr_rule: how the learning rate follows the global batch: ``"auto"`` (sqrt for Adam-like
             optimizers, linear otherwise), ``"linear"``, ``"sqrt"`` or ``"none"``
-            (:func:`batchpilot.batching.scale_lr`).
+            (:func:`batchpilot.train.batching.scale_lr`).
         target: fraction of the device memory a trial's peak may use, in (0, 1].
         capacity: device memory to size for (bytes or ``"24GiB"``); default the device's own.
         strategy: the finder's search: ``"predict"``, ``"binsearch"``, ``"power"`` or ``"decay"``.
         max_batch_size: the largest per-device batch to try; the integration also caps it at the
             per-rank batch and at the dataset's length.
         steps_per_trial: training steps per trial (2 puts the optimizer state in the peak).
-        find_options: any other keyword of :func:`batchpilot.finder.find_batch_size`
+        find_options: any other keyword of :func:`batchpilot.find.finder.find_batch_size`
             (``max_trials``, ``tolerance``, ...).
 
     Raises:
         ValueError: a size that is not a positive int, an unknown ``lr_rule``, or a keyword of
             ``find_options`` that the fields above set.
-        batchpilot.search.BatchSizeError: a target, capacity, strategy or count the finder refuses.
+        batchpilot.policy.search.BatchSizeError: a target, capacity, strategy or count the finder refuses.
     """
 
     global_batch_size: int | None = None
@@ -168,7 +168,7 @@ class BatchSetup:
 
 
 def lr_rule_for(rule: str, optimizer: Any) -> str:
-    """The rule :func:`batchpilot.batching.scale_lr` applies: ``"auto"`` is sqrt for adaptive optimizers, else linear."""
+    """The rule :func:`batchpilot.train.batching.scale_lr` applies: ``"auto"`` is sqrt for adaptive optimizers, else linear."""
     if rule != "auto":
         return rule
     return "sqrt" if is_adaptive(optimizer) else "linear"
@@ -180,9 +180,9 @@ def choose_batches(found: int, *, world_size: int, global_batch_size: int | None
 
     With a global batch to hold, ``whole_micro_batches`` (a loop that accumulates equal
     micro-batches) takes the largest divisor of the per-rank batch up to ``found``
-    (:func:`batchpilot.batching.config_for_limit`); otherwise (batchpilot's engine, which cuts a
+    (:func:`batchpilot.train.batching.config_for_limit`); otherwise (batchpilot's engine, which cuts a
     smaller last micro-batch) the micro-batch is the one the engine starts with: the smallest that
-    needs as few micro-batches as ``found`` (:func:`batchpilot.policy.efficient_size`).
+    needs as few micro-batches as ``found`` (:func:`batchpilot.policy.microbatch.efficient_size`).
     Without one, the micro-batch is ``found`` and ``accum_steps`` is kept.
 
     Raises:
@@ -204,7 +204,7 @@ def choose_batches(found: int, *, world_size: int, global_batch_size: int | None
             )
         return cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps, cfg.micro_batch_size
     per_rank = BatchConfig(global_batch_size=global_batch_size, world_size=world_size).micro_batch_size
-    # the engine balances its micro-batches: 64 + 64, not 65 + 63 (batchpilot.policy.efficient_size)
+    # the engine balances its micro-batches: 64 + 64, not 65 + 63 (batchpilot.policy.microbatch.efficient_size)
     micro = efficient_size(per_rank, found)
     accum = math.ceil(per_rank / micro)
     return micro, accum, per_rank, per_rank - (accum - 1) * micro

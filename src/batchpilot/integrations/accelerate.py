@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._checks import positive_int
-from ..batching import BatchConfig
-from ..distributed import find_batch_size_distributed
-from ..find_result import BatchPlan
-from ..oom import attempt
-from ..ranks import default_device, world_size
+from ..core.ranks import default_device, world_size
+from ..dist.distributed import find_batch_size_distributed
+from ..find.result import BatchPlan
+from ..memory.oom import attempt
+from ..train.batching import BatchConfig
 from ._common import SizingOptions, require
 
 require("accelerate", "batchpilot.integrations.accelerate")
@@ -173,7 +173,7 @@ def find_executable_batch_size(
     global batch exactly: the search bisects over those divisors (their memory is a step function
     of any size in between, which a search over every integer would waste trials on).
 
-    The wrapper's ``plan`` attribute holds the last :class:`~batchpilot.find_result.BatchPlan` (with
+    The wrapper's ``plan`` attribute holds the last :class:`~batchpilot.find.result.BatchPlan` (with
     ``limited_by_rank``) and ``batch_size`` the size of the final run.
 
     Args:
@@ -190,7 +190,7 @@ def find_executable_batch_size(
     Raises:
         ValueError: ``reduce_batch_size_fn`` given, or invalid options (when decorating).
         TypeError: the batch size passed by the caller as well.
-        batchpilot.search.NothingFitsError: not even ``min_batch_size`` fits (on some rank).
+        batchpilot.policy.search.NothingFitsError: not even ``min_batch_size`` fits (on some rank).
         torch.OutOfMemoryError: the final run ran out of memory on several processes.
     """
     if reduce_batch_size_fn is not None:

@@ -21,12 +21,12 @@ from typing import Any, Iterator
 
 import torch
 
-from ..batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn
-from ..batching import BatchConfig, rescale_lr
-from ..distributed import find_batch_size_distributed
-from ..engine import Engine, StepResult
-from ..find_result import BatchPlan
-from ..loss import parse_loss
+from ..core.batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn
+from ..core.loss import parse_loss
+from ..dist.distributed import find_batch_size_distributed
+from ..find.result import BatchPlan
+from ..train.batching import BatchConfig, rescale_lr
+from ..train.engine import Engine, StepResult
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
 
 require("lightning", "batchpilot.integrations.lightning")
@@ -72,7 +72,7 @@ class BatchSizeCallback(Callback):
         batch_arg_name: the attribute that holds the dataloader's batch size.
         target, capacity, strategy, max_batch_size, steps_per_trial, find_options: the finder's
             options (see :class:`batchpilot.integrations.SizingOptions`).
-        shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.batch`).
+        shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.core.batch`).
         split_fn: ``split_fn(batch, start, stop)`` for batches the rules cannot cut.
 
     Raises:
@@ -80,7 +80,7 @@ class BatchSizeCallback(Callback):
             size attribute, a dataloader passed to ``fit()`` directly, several training dataloaders,
             a strategy other than single-device or DDP, or ``GradientAccumulationScheduler`` next
             to a global batch.
-        batchpilot.search.NothingFitsError: not even one sample fits on some rank (on every rank).
+        batchpilot.policy.search.NothingFitsError: not even one sample fits on some rank (on every rank).
     """
 
     def __init__(
@@ -335,7 +335,7 @@ def _search_batch_size(
     trials); ranks agree once, on the smallest answer, after all searches ended.
 
     Raises:
-        batchpilot.search.NothingFitsError: not even one sample fits on some rank.
+        batchpilot.policy.search.NothingFitsError: not even one sample fits on some rank.
     """
     optimizers = list(trainer.optimizers)  # the raw torch optimizers: their state is what a snapshot restores
     if not optimizers:

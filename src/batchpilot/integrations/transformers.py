@@ -22,12 +22,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..batch import BatchLayout, SplitFn, batch_size_of
-from ..batching import scale_lr
-from ..distributed import find_batch_size_distributed
-from ..engine import Engine, EngineConfig, StepResult
-from ..front import find_batch_size_for
-from ..oom import attempt, free_memory
+from ..core.batch import BatchLayout, SplitFn, batch_size_of
+from ..dist.distributed import find_batch_size_distributed
+from ..find.front import find_batch_size_for
+from ..memory.oom import attempt, free_memory
+from ..train.batching import scale_lr
+from ..train.engine import Engine, EngineConfig, StepResult
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
 
 require("transformers", "batchpilot.integrations.transformers")
@@ -99,7 +99,7 @@ def configure_batch_size(
             batch ``args`` describe before sizing.
         lr_rule, target, capacity, strategy, max_batch_size, steps_per_trial, find_options: see
             :class:`batchpilot.integrations.SizingOptions`.
-        shared, split_fn: the batch rules of :mod:`batchpilot.batch`.
+        shared, split_fn: the batch rules of :mod:`batchpilot.core.batch`.
 
     Returns:
         The :class:`~batchpilot.integrations.BatchSetup` written into ``args``.
@@ -108,7 +108,7 @@ def configure_batch_size(
         ValueError: invalid options, ``auto_find_batch_size`` set, DataParallel over several GPUs in
             one process (use ``torchrun``), DeepSpeed or FSDP (their sharded state is not what the
             trials measure), or a global batch that does not divide by the world size.
-        batchpilot.search.NothingFitsError: not even one sample fits (on some rank).
+        batchpilot.policy.search.NothingFitsError: not even one sample fits (on some rank).
     """
     opts = SizingOptions(global_batch_size=global_batch_size, lr_base_size=lr_base_size, lr_rule=lr_rule,
                          target=target, capacity=capacity, strategy=strategy, max_batch_size=max_batch_size,
@@ -202,7 +202,7 @@ class ResilientTrainerMixin:
 
     Args (keyword, besides the Trainer's):
         engine_config: :class:`batchpilot.EngineConfig` (growth, memory pressure).
-        shared, split_fn: the batch rules of :mod:`batchpilot.batch`.
+        shared, split_fn: the batch rules of :mod:`batchpilot.core.batch`.
 
     Raises:
         ValueError: ``fp16`` (its GradScaler belongs to Accelerate's backward, which the engine's

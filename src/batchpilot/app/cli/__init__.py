@@ -19,9 +19,9 @@ import sys
 from typing import Iterator, Sequence
 
 from ... import __version__
-from ...engine import BatchDoesNotFitError
-from ...plan_result import PlanningError
-from ...search import BatchSizeError, NothingFitsError
+from ...plan.result import PlanningError
+from ...policy.search import BatchSizeError, NothingFitsError
+from ...train.engine import BatchDoesNotFitError
 from ..trainjob import JobError
 from . import cmd_find, cmd_plan, cmd_train
 from .common import UsageError

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...front import find_batch_size_for
-from ...search import STRATEGIES
-from ...speed import OBJECTIVES, SPEED_TOLERANCE
-from ...units import format_bytes
+from ...find.front import find_batch_size_for
+from ...memory.units import format_bytes
+from ...policy.search import STRATEGIES
+from ...policy.speed import OBJECTIVES, SPEED_TOLERANCE
 from .. import report
 from .common import (
     UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, device_or_fail,

@@ -6,12 +6,12 @@ import argparse
 import sys
 from typing import Any
 
-from ...gpus import GPUS, gpu_spec
-from ...plan import plan_batch_size
-from ...plan_lengths import LengthPlanResult, plan_per_length
-from ...plan_result import PlanningError, PlanResult
-from ...search import NothingFitsError
-from ...units import format_bytes
+from ...memory.units import format_bytes
+from ...plan.gpus import GPUS, gpu_spec
+from ...plan.lengths import LengthPlanResult, plan_per_length
+from ...plan.planner import plan_batch_size
+from ...plan.result import PlanningError, PlanResult
+from ...policy.search import NothingFitsError
 from .. import report
 from ..trainjob import make_optimizer
 from .common import (

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ...amp import AMP_MODES
-from ...schedule import LR_SCALE_RULES, SCHEDULE_SPECS, parse_schedule
-from ...search import STRATEGIES
-from ...units import format_bytes
+from ...core.amp import AMP_MODES
+from ...memory.units import format_bytes
+from ...policy.schedule import LR_SCALE_RULES, SCHEDULE_SPECS, parse_schedule
+from ...policy.search import STRATEGIES
 from .. import report
 from ..trainjob import DEFAULT_CPU_CAPACITY, NOISE_CHOICES, OPTIMIZERS, TrainConfig, TrainResult, run_training
 from .common import (

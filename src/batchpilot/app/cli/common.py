@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ...amp import AMP_MODES
-from ...units import parse_bytes, resolve_device
+from ...core.amp import AMP_MODES
+from ...memory.units import parse_bytes, resolve_device
 from ..trainjob import OPTIMIZERS
 
 __all__ = [

@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ...amp import AMP_MODES
-from ...models import MLP, SmallCNN, TransformerBlockModel
+from ...core.amp import AMP_MODES
+from ..models import MLP, SmallCNN, TransformerBlockModel
 from ..trainjob import call_model_factory, check_model, make_optimizer
 from .common import OPTIMIZERS, UsageError
 

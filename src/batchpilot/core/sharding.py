@@ -1,0 +1,113 @@
+"""The sharded model: which modules ``fully_shard`` (FSDP2) wrapped, sharding a model, resetting it.
+
+Shared by the planner (:mod:`batchpilot.plan.fsdp` shards a fake model the same way) and the
+FSDP coordinator (:mod:`batchpilot.dist.fsdp`), which resets a sharded model after an OOM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ranks import is_distributed
+
+try:  # FSDP2 is public from torch 2.6
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - older torch
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+__all__ = ["fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
+
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules was given to ``fully_shard``."""
+    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """The outermost ``fully_shard`` modules of ``model`` (itself, when it was sharded last)."""
+    if FSDPModule is None:
+        return []
+    roots: list[nn.Module] = []
+    inside: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule) and not any(name.startswith(p) for p in inside):
+            roots.append(m)
+            inside.append(f"{name}." if name else "")
+    return roots
+
+
+def shard_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks :func:`shard_model` shards by default, in order.
+
+    The entries of the first ``nn.ModuleList`` or ``nn.Sequential`` (breadth first) with two or
+    more entries that hold parameters: the transformer blocks of a GPT, the layers of an MLP.
+    Empty when there is none (then only the root is sharded).
+    """
+    queue = [model]
+    while queue:
+        m = queue.pop(0)
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            blocks = [c for c in m.children() if any(True for _ in c.parameters())]
+            if len(blocks) >= 2:
+                return blocks
+        queue += list(m.children())
+    return []
+
+
+def shard_model(model: nn.Module, *, mesh: Any = None, blocks: Iterable[nn.Module] | None = None,
+                **fully_shard_kwargs: Any) -> nn.Module:
+    """``fully_shard`` each block, then the whole model, as torchtitan does; returns ``model``.
+
+    Args:
+        mesh: a 1-D ``DeviceMesh``; default one over every rank of the default process group, on
+            the current accelerator (CUDA) or the CPU.
+        blocks: the modules to shard one by one; default :func:`shard_blocks`.
+        **fully_shard_kwargs: passed to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``).
+
+    Raises:
+        RuntimeError: no process group is initialised and no ``mesh`` is given.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        if not is_distributed():
+            raise RuntimeError("shard_model needs a process group (torchrun and init_process_group) or a mesh")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kind = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(kind, (dist.get_world_size(),))
+    for block in (shard_blocks(model) if blocks is None else blocks):
+        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return model
+
+
+def _param_groups(model: nn.Module) -> list[Any]:
+    groups = []
+    for m in model.modules():
+        if FSDPModule is not None and isinstance(m, FSDPModule):
+            groups += list(m._get_fsdp_state()._fsdp_param_groups)
+    return groups
+
+
+def reset_fsdp_state(model: nn.Module) -> None:
+    """Put a sharded model back between steps after a forward or backward failed half way.
+
+    ``reset_iter_state()`` on each root reshards every parameter and clears FSDP's per-step
+    bookkeeping; the gradients a no-sync micro-batch left unsharded (which that call keeps) are
+    dropped too, so the retry accumulates from nothing. No collective runs.
+    """
+    for root in fsdp_roots(model):
+        root.reset_iter_state()
+    for group in _param_groups(model):
+        for p in group.fsdp_params:
+            # gradients of no-sync micro-batches, waiting for the next reduce-scatter
+            p.unsharded_accumulated_grad = None
+            unsharded = getattr(p, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None

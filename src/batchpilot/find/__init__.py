@@ -1,0 +1,9 @@
+"""The finder: real trials on the device, the state put back after each.
+
+:mod:`~batchpilot.find.finder` (``find_batch_size``: options, trials, the search),
+:mod:`~batchpilot.find.result` (``BatchPlan``), :mod:`~batchpilot.find.front`
+(``find_batch_size_for``: the step built from a model and a batch, seeded by the planner on
+request), :mod:`~batchpilot.find.lengths` (the search at several sequence lengths),
+:mod:`~batchpilot.find.snapshot` (bit-exact state snapshots) and :mod:`~batchpilot.find.timing`
+(the clocks and the timed step).
+"""

@@ -1,0 +1,683 @@
+"""Find the largest batch size whose training (or inference) step fits under a memory target.
+
+:func:`find_batch_size` runs a user's step at the batch sizes a search policy
+(:mod:`batchpilot.policy.search`) asks for, measures each trial's peak with the memory
+probes, recovers from OOMs, and puts the model, optimizer and RNG state back
+afterwards; its answer is a :class:`~batchpilot.find.result.BatchPlan`.
+:func:`batchpilot.find.front.find_batch_size_for` builds the step from a model, an
+optimizer, a loss and an example batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+from torch import nn
+
+from .._checks import check_int, positive_int
+from ..core.compiled import CompileCounter, compiled_floor, is_compiled
+from ..memory.gauge import Gauge, gauge_for
+from ..memory.oom import attempt, free_memory
+from ..memory.probes import emulate_capacity, get_probe, track_peak
+from ..memory.tracker import active_tracker
+from ..memory.units import format_bytes, parse_bytes, resolve_device
+from ..policy.search import (
+    FIT,
+    OOM,
+    OVER_TARGET,
+    REFUSED,
+    STRATEGIES,
+    BatchSizeError,
+    NothingFitsError,
+    SearchPolicy,
+    SearchResult,
+    SearchSpace,
+    Trial,
+    fit_line,
+    make_policy,
+    predict_peak,
+    run_search,
+)
+from ..policy.speed import (
+    SPEED_TOLERANCE, check_objective, check_speed_tolerance, choose_fastest, fit_time, search_throughput, timed_fits,
+)
+from .result import BatchPlan, MemoryFit
+from .snapshot import StateSnapshot
+from .timing import outside_trackers, step_clock, timed
+
+__all__ = [
+    "BatchSizeError",
+    "NothingFitsError",
+    "FinderConfig",
+    "find_batch_size",
+    "warm_up",
+]
+
+logger = logging.getLogger(__name__)
+
+# devices whose capacity memory.emulate_capacity can enforce
+_EMULATED = ("cpu", "cuda")
+#: timed steps per fitting trial by objective: one to report samples/s, three (the fastest
+#: counts) where the answer depends on them
+_TIMED_STEPS = {"memory": 1, "throughput": 3}
+
+
+@dataclass(kw_only=True)
+class FinderConfig:
+    """The options of :func:`find_batch_size`, validated before any trial runs.
+
+    Raises:
+        BatchSizeError: target outside (0, 1], ``min_batch_size > max_batch_size``,
+            a non-positive size or count, or an unknown strategy.
+    """
+
+    target: float = 0.8
+    capacity: int | str | None = None
+    strategy: str | SearchPolicy = "predict"
+    min_batch_size: int = 1
+    max_batch_size: int | None = None
+    steps_per_trial: int = 2
+    first_guess: int | None = None
+    max_trials: int = 25
+    progress: bool = False
+    tolerance: float | None = None
+    snapshot: Literal["auto", "memory", "disk"] = "auto"
+    objective: Literal["memory", "throughput"] = "memory"
+    speed_tolerance: float = SPEED_TOLERANCE
+    timed_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
+            raise BatchSizeError(
+                f"target must be a fraction of device memory in (0, 1], got {self.target!r}; "
+                "0.6-0.8 leaves room for fragmentation and other processes"
+            )
+        if self.capacity is not None:
+            try:
+                self.capacity = parse_bytes(self.capacity)
+            except ValueError as exc:
+                raise BatchSizeError(str(exc)) from exc
+        if not isinstance(self.strategy, SearchPolicy) and self.strategy not in STRATEGIES:
+            raise BatchSizeError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        for name in ("min_batch_size", "steps_per_trial", "max_trials"):
+            positive_int(name, getattr(self, name), error=BatchSizeError)
+        for name in ("max_batch_size", "first_guess"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name), error=BatchSizeError)
+        if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
+            raise BatchSizeError(
+                f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
+                "lower min_batch_size or raise max_batch_size (e.g. to the dataset length)"
+            )
+        if not isinstance(self.progress, bool):
+            raise BatchSizeError(f"progress must be True or False, got {self.progress!r}")
+        if self.tolerance is not None and not (
+            isinstance(self.tolerance, (int, float)) and not isinstance(self.tolerance, bool)
+            and 0 <= self.tolerance < 0.5
+        ):
+            raise BatchSizeError(f"tolerance must be a fraction in [0, 0.5) or None (auto), got {self.tolerance!r}")
+        if self.snapshot not in ("auto", "memory", "disk"):
+            raise BatchSizeError(f"snapshot must be 'auto', 'memory' or 'disk', got {self.snapshot!r}")
+        check_objective(self.objective, error=BatchSizeError)
+        self.speed_tolerance = check_speed_tolerance(self.speed_tolerance, error=BatchSizeError)
+        if self.timed_steps is None:
+            self.timed_steps = _TIMED_STEPS[self.objective]
+        elif self.objective == "throughput":
+            positive_int("timed_steps", self.timed_steps, " (the throughput objective needs timed steps)",
+                         error=BatchSizeError)
+        else:
+            check_int("timed_steps", self.timed_steps, minimum=0, error=BatchSizeError)
+
+
+def _progress_bar(enabled: bool, strategy: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        logger.warning("progress=True needs tqdm (pip install tqdm); continuing without a progress bar")
+        return None
+    return tqdm(desc=f"batch size ({strategy})", unit="trial")
+
+
+def find_batch_size(
+    step: Callable[[int], Any],
+    *,
+    device: torch.device | str | int | None = None,
+    target: float = 0.8,
+    capacity: int | str | None = None,
+    strategy: str | SearchPolicy = "predict",
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    steps_per_trial: int = 2,
+    restore: Iterable[Any] = (),
+    first_guess: int | None = None,
+    max_trials: int = 25,
+    progress: bool = False,
+    tolerance: float | None = None,
+    snapshot: Literal["auto", "memory", "disk"] = "auto",
+    objective: Literal["memory", "throughput"] = "memory",
+    speed_tolerance: float = SPEED_TOLERANCE,
+    timed_steps: int | None = None,
+    lockstep: Any = None,
+) -> BatchPlan:
+    """Find the largest batch size whose step peaks at or under ``target × capacity`` (or the fastest one).
+
+    Each trial calls ``step(batch_size)`` ``steps_per_trial`` times and measures the peak of
+    the memory that fails on the device (:mod:`batchpilot.memory.gauge`); a peak over the limit
+    counts as "does not fit" just like an OOM, which is recovered from. Before the first
+    trial the objects in ``restore`` and the torch / numpy / python RNG states are
+    snapshotted, and they are put back after every trial and when the search ends, also on
+    error.
+
+    What is measured: with ``capacity`` on CPU or CUDA the trials run under
+    :func:`~batchpilot.memory.probes.emulate_capacity` (tensor bytes on CPU, reserved bytes on CUDA);
+    without it, the device's real memory: on CPU the process's resident set against the
+    tightest of its cgroup limit, ``RLIMIT_AS`` and the available RAM (with the tensor bytes
+    alongside, per trial), on CUDA reserved memory plus everything outside PyTorch against
+    the card's total. On a real CPU no trial is run whose predicted peak is over a limit that
+    kills (a container's): it is recorded as ``"refused"``. An OOM lowers the capacity to
+    what the failure proves, so the next trial lands under it.
+
+    Speed: every trial that fits also times ``timed_steps`` steps after the warm-up step (the
+    device synchronised around each, the fastest counts; on CPU with the storage tracker set
+    aside, which slows every operator, and with one intra-op thread by the thread's CPU time,
+    which other processes cannot stretch: :mod:`batchpilot.find.timing`), and ``plan.time_fit``
+    fits ``T(b) = fixed + per_sample × b`` to them. ``objective="throughput"`` then times a
+    few smaller sizes (:class:`~batchpilot.policy.speed.ThroughputSearch`), times the sizes the choice
+    rests on again side by side, and answers the smallest fitting batch whose samples/s is
+    within ``speed_tolerance`` of the fastest measured; memory stays a hard limit.
+
+    Args:
+        step: runs one full step (forward, backward, optimizer step) at a batch size.
+        device: the device whose memory is measured; default the current accelerator, else CPU.
+        target: fraction of the capacity the peak may use, in (0, 1].
+        capacity: device memory in bytes or as a string (``"24GiB"``) to emulate; default the
+            device's real memory.
+        strategy: ``"predict"``, ``"power"``, ``"binsearch"``, ``"decay"`` or a
+            :class:`~batchpilot.policy.search.SearchPolicy`.
+        min_batch_size: the smallest size to consider.
+        max_batch_size: the largest size to consider (e.g. the dataset length).
+        steps_per_trial: steps per trial; 2 puts lazily created optimizer state
+            (Adam's moments) inside the measured peak.
+        restore: modules, optimizers, LR schedulers, GradScalers or tensors to
+            snapshot and restore bit for bit; their tensors also count as
+            memory in use at the start of each trial.
+        first_guess: a size to try first (e.g. from the planner); the start of
+            power / binsearch / decay.
+        max_trials: stop after this many trials, keeping the best so far.
+        progress: show a tqdm progress bar (if tqdm is installed).
+        tolerance: ``predict`` stops once the answer is within this fraction of the boundary;
+            ``None``: exact (0) on emulated tensor bytes, 0.02 on real memory, whose peaks
+            move by more than one sample between runs.
+        snapshot: where the ``restore`` copies live: ``"memory"``, ``"disk"`` (a temporary
+            file, so they do not compete with the job's memory), or ``"auto"``: disk on a
+            real CPU when they are 5% of the memory the job can still grow into, or more.
+        objective: ``"memory"``: the largest batch that fits; ``"throughput"``: the smallest
+            fitting batch within ``speed_tolerance`` of the best measured samples/s.
+        speed_tolerance: the share of the best samples/s ``"throughput"`` may give up, in [0, 0.5).
+        timed_steps: steps timed per fitting trial after the memory steps' warm-up; ``None``:
+            1 for ``"memory"`` (0 times nothing), 3 for ``"throughput"``.
+        lockstep: ranks that must run the same trials (FSDP2): the agreement hooks of
+            :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, which passes them; leave it ``None``.
+
+    Returns:
+        A :class:`BatchPlan`.
+
+    Raises:
+        BatchSizeError: invalid options (raised before any trial).
+        NothingFitsError: even ``min_batch_size`` does not fit; the message gives
+            its peak and the capacity.
+        Exception: any non-OOM error of ``step`` propagates unchanged, after the
+            state is restored.
+    """
+    cfg = FinderConfig(
+        target=target, capacity=capacity, strategy=strategy, min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size, steps_per_trial=steps_per_trial, first_guess=first_guess,
+        max_trials=max_trials, progress=progress, tolerance=tolerance, snapshot=snapshot, objective=objective,
+        speed_tolerance=speed_tolerance, timed_steps=timed_steps,
+    )
+    if lockstep is not None and cfg.objective == "throughput":
+        # its extra timings run on each rank alone: sharded ranks would wait in each other's collectives
+        raise BatchSizeError("objective='throughput' is not available for ranks in lockstep (FSDP2); "
+                             "use objective='memory' and let the engine split the batch by speed")
+    dev = resolve_device(device)
+    targets = [o for o in restore if o is not None]
+    emulated = cfg.capacity is not None and dev.type in _EMULATED
+    # called inside the caller's own emulate_capacity: measure against that emulation
+    ambient = None if emulated else _ambient_capacity(dev)
+    gauge = gauge_for(dev, emulated_capacity=cfg.capacity if emulated else ambient)
+    tol = cfg.tolerance if cfg.tolerance is not None else (0.0 if gauge.kind == "tensors" else _REAL_TOLERANCE)
+    policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size,
+                         tolerance=tol)
+    started = time.perf_counter()
+    compiles = CompileCounter()
+    compiled = is_compiled(*targets)
+    # a tracker (an emulated CPU capacity) runs compiled code eagerly: batchpilot.core.compiled
+    run_compiled = compiled and gauge.kind != "tensors"
+    if compiled and not run_compiled:
+        logger.warning("the model is compiled, but under an emulated CPU capacity its trials run eagerly (a "
+                       "dispatch-mode tracker cannot see inside compiled kernels): this is the eager program's "
+                       "batch; leave capacity= out to measure the compiled program on real memory")
+    free_memory(dev)
+    spill = _spill(cfg.snapshot, gauge, targets)
+    snap = StateSnapshot(targets, spill=spill)
+    bar = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if emulated:
+                stack.enter_context(emulate_capacity(cfg.capacity, dev, track=targets))
+            cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
+            # a compiled trial at 1 would compile a graph of its own: start at 2, try 1 only if 2 fails
+            floor = compiled_floor(cfg.min_batch_size, cfg.max_batch_size) if run_compiled else cfg.min_batch_size
+            space = SearchSpace(
+                limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
+                min_batch_size=floor, max_batch_size=cfg.max_batch_size,
+            )
+            if lockstep is not None:
+                space = lockstep.agree_space(space)  # one search for every rank: the smallest device
+            logger.info(
+                "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
+                dev, policy.name, gauge.kind, format_bytes(space.limit_bytes), 100 * cfg.target,
+                format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.host else "",
+            )
+            bar = _progress_bar(cfg.progress, policy.name)
+            trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap, lockstep,
+                                    breakdown=not run_compiled, timed_steps=cfg.timed_steps)
+
+            def report(t: Trial) -> None:
+                _log_trial(t, len(trial_fn.done), trial_fn.space)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(batch=t.batch_size, outcome=t.outcome)
+
+            trial_fn.space = space
+            learner = _CapacityLearner(cfg.target, estimated=gauge.host)
+            revise = lambda sp, t: _trial_space(trial_fn, learner(sp, t))  # noqa: E731
+            if run_compiled:
+                warm_up(step, floor, device=dev, after=snap.restore)  # compile before anything is measured
+            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report, revise=revise)
+            space = result.space or space
+            if result.batch_size is None and result.stop_reason == "nothing_fits" and floor > cfg.min_batch_size:
+                result = _below_floor(result, policy, space, cfg.min_batch_size, trial_fn, report, revise)
+                space = result.space or space
+            if cfg.objective == "throughput" and result.batch_size is not None:
+                search_throughput(result.trials, trial_fn, lowest=cfg.min_batch_size, highest=result.batch_size,
+                                  tolerance=cfg.speed_tolerance, max_trials=cfg.max_trials, on_trial=report,
+                                  retime=trial_fn.retime)
+    finally:
+        if bar is not None:
+            bar.close()
+        snap.restore()
+        snap.close()
+        free_memory(dev)
+    if result.batch_size is None:
+        raise _nothing_fits(result.trials, space, dev, result.stop_reason)
+    line = fit_line(result.trials, space.limit_bytes)
+    tensor_line = _tensor_line(result.trials) if gauge.host else None
+    answer, reason = _answer(result.trials, result.batch_size, result.stop_reason, cfg)
+    plan = BatchPlan(
+        batch_size=answer, target=float(cfg.target), capacity=int(space.capacity_bytes),
+        limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=result.trials,
+        fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
+        seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
+        steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
+        tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.host else None,
+        snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
+        compiled=compiled, compiled_trials=run_compiled, compilations=compiles.count,
+        objective=cfg.objective, speed_tolerance=cfg.speed_tolerance, largest_fitting=result.batch_size,
+        time_fit=fit_time(timed_fits(result.trials)), reason=reason,
+    )
+    if result.stop_reason == "max_trials":
+        logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
+                       plan.num_trials, plan.batch_size)
+    logger.info("batch size %d (%s; %s) after %d trials, %d OOM, %.2fs%s",
+                plan.batch_size, plan.stop_reason, plan.reason, plan.num_trials, plan.num_ooms, plan.seconds,
+                f", {plan.compilations} graph(s) compiled" if compiled else "")
+    return plan
+
+
+def warm_up(step: Callable[[int], Any], batch_size: int, *, device: torch.device, after: Callable[[], Any]) -> int:
+    """Run ``step(batch_size)`` once, unmeasured, so dynamo compiles before any trial is measured.
+
+    Compiling takes host memory and time that no trial should be charged for. ``after`` puts the
+    state back (the finder's snapshot restore); it runs also when the step runs out of memory,
+    which is left for the trials to find. Other errors propagate. Returns the graphs compiled.
+    """
+    counter = CompileCounter()
+    outcome = attempt(step, batch_size, device=device, on_oom=after)
+    if not outcome.oom:
+        after()
+    logger.info("warm-up at batch %d: %d graph(s) compiled", batch_size, counter.count)
+    return counter.count
+
+
+def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace, minimum: int,
+                 trial_fn: _TrialRunner, report: Callable[[Trial], None], revise: Callable) -> SearchResult:
+    """Nothing fitted from the compiled floor up: try ``minimum`` too (one more compilation)."""
+    low = dataclasses.replace(space, min_batch_size=minimum, max_batch_size=minimum)
+    trial_fn.space = low
+    again = run_search(policy, low, trial_fn, max_trials=1, on_trial=report, revise=revise)
+    return SearchResult(batch_size=again.batch_size, trials=[*result.trials, *again.trials],
+                        stop_reason="boundary" if again.batch_size is not None else again.stop_reason,
+                        space=again.space or low)
+
+
+# -- speed: the hook of batchpilot.policy.speed into the search -------------------------------------------
+
+
+def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: FinderConfig) -> tuple[int | None, str]:
+    """The batch size the objective picks among the trials, and why."""
+    if largest is None:
+        return None, ""
+    memory = f"the largest that fits ({stop_reason})"
+    if cfg.objective == "memory":
+        return largest, memory
+    choice = choose_fastest(timed_fits(trials, upto=largest), cfg.speed_tolerance)
+    if choice is None:  # e.g. no step could be timed without a tracker in the way
+        return largest, f"{memory}: no trial was timed"
+    return choice.batch_size, choice.reason
+
+
+#: predict's relative tolerance on real memory (see ``tolerance``)
+_REAL_TOLERANCE = 0.02
+#: a snapshot this share of the headroom or more goes to disk on a real CPU (``snapshot="auto"``)
+_SPILL_SHARE = 0.05
+#: trials predicted within this share of a limit that kills are refused
+_KILL_MARGIN = 0.02
+
+
+def _ambient_capacity(device: torch.device) -> int | None:
+    """The capacity of an emulation already running for ``device`` (the caller's), if any."""
+    if device.type == "cpu":
+        tr = active_tracker(device)
+        return None if tr is None else tr.capacity
+    return getattr(get_probe(device), "_capacity_override", None)
+
+
+def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:
+    if choice != "auto":
+        return choice == "disk"
+    if not gauge.host:
+        return False  # an accelerator's snapshot is host memory; an emulated CPU's is untracked
+    if gauge.limits.binding == "rlimit_as":
+        # a file mapped back in costs address space too, and right after a trial at the boundary
+        # there may be none: under RLIMIT_AS the copies stay where they are
+        return False
+    # the share of what the job may still grow into, not of the whole process
+    return StateSnapshot.objects_nbytes(targets) >= _SPILL_SHARE * max(1, gauge.capacity() - gauge.current())
+
+
+class _CapacityLearner:
+    """Correct the capacity from what each trial proves.
+
+    An OOM whose allocator said how much it asked for proves the real capacity is below the
+    peak reached plus that request (``Trial.bound_bytes``). On a real CPU, where the capacity is
+    an estimate (the headroom under ``RLIMIT_AS`` counts mapped address space, some of which
+    becomes resident without a new mapping), a trial that completed with a peak above it proves
+    the capacity is at least that peak. The limit follows as ``target × capacity``.
+    """
+
+    def __init__(self, target: float, estimated: bool) -> None:
+        self.target, self.estimated = target, estimated
+        self.below: int | None = None  # the lowest OOM bound: the capacity is under it
+
+    def __call__(self, space: SearchSpace, trial: Trial) -> SearchSpace | None:
+        cap = space.capacity_bytes
+        if trial.outcome == OOM and trial.bound_bytes is not None:
+            self.below = trial.bound_bytes if self.below is None else min(self.below, trial.bound_bytes)
+            if self.below <= cap:
+                new = self.below - 1
+                logger.info("the OOM at batch %d shows the capacity is under %s, not %s", trial.batch_size,
+                            format_bytes(self.below), format_bytes(cap))
+                return self._space(space, new)
+        elif self.estimated and trial.measured and trial.peak_bytes > cap:
+            new = trial.peak_bytes if self.below is None else min(trial.peak_bytes, self.below - 1)
+            if new > cap:
+                logger.info("batch %d ran to %s without running out: the capacity is at least that, not %s",
+                            trial.batch_size, format_bytes(new), format_bytes(cap))
+                return self._space(space, new)
+        return None
+
+    def _space(self, space: SearchSpace, capacity: int) -> SearchSpace:
+        return dataclasses.replace(space, capacity_bytes=capacity, limit_bytes=max(1, int(self.target * capacity)))
+
+
+def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
+    pts = [t for t in trials if t.measured and t.tensor_bytes is not None]
+    proxies = [Trial(batch_size=t.batch_size, outcome=t.outcome, peak_bytes=t.tensor_bytes) for t in pts]
+    line = fit_line(proxies)
+    return None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1])
+
+
+def _trial_space(runner: _TrialRunner, space: SearchSpace | None) -> SearchSpace | None:
+    if space is not None:
+        runner.space = space  # later trials are judged, and refused, against the revised space
+    return space
+
+
+class _TrialRunner:
+    """Runs one trial: the steps under the gauge (and a tracker for the breakdown), OOM recovery, the restore."""
+
+    def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
+                 steps: int, targets: list[Any], snapshot: StateSnapshot, lockstep: Any = None, *,
+                 breakdown: bool = True, timed_steps: int = 0) -> None:
+        self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
+        # no breakdown tracker for a compiled step: under it the step would run eagerly
+        self.breakdown = breakdown
+        self.targets, self.snapshot, self.lockstep = targets, snapshot, lockstep
+        self.timed_steps = timed_steps
+        self.space: SearchSpace | None = None
+        self.done: list[Trial] = []
+        self._untimed_warned = False
+
+    def __call__(self, batch_size: int) -> Trial:
+        trial = self._run(batch_size)
+        if self.lockstep is not None:
+            # the same trial on every rank, then one view of it everywhere: the same next size
+            trial = self.lockstep.agree_trial(trial, self.space)
+        self.done.append(trial)
+        return trial
+
+    def _run(self, batch_size: int) -> Trial:
+        refused = self._refuse(batch_size)
+        if self.lockstep is not None and self.lockstep.agree_refusal(refused is not None) and refused is None:
+            refused = Trial(batch_size=batch_size, outcome=REFUSED, peak_bytes=0, start_bytes=None)
+        if refused is not None:
+            return refused
+        holder: list[Any] = []
+        real = self.gauge.host
+        # on CPU a storage tracker counts every operator from Python during the memory steps:
+        # their times say nothing about the step, so the timed steps come after, without it
+        tracked = self.device.type == "cpu" and self.breakdown
+        times: list[float] = []
+        read = step_clock(self.device)
+
+        def one_step() -> None:
+            self.step(batch_size)
+
+        def run() -> None:
+            # on a real CPU a tracker runs alongside for the breakdown (tensor bytes vs the rest)
+            with track_peak(self.device, track=self.targets) if tracked else contextlib.nullcontext() as m:
+                holder.append(m)
+                for i in range(self.steps):
+                    if i == self.steps - 1:
+                        holder.append(self._steady_bytes())
+                    if i == 0 or tracked:  # the first step warms up (kernels, optimizer state)
+                        one_step()
+                    else:
+                        times.append(timed(one_step, self.gauge.synchronize, read))
+            self._time_steps(times, one_step, tracked, read)
+
+        if real:
+            # the last trial's garbage back to the OS: the resident peak then starts clean
+            free_memory(self.device, generation=1)
+        began = time.perf_counter()
+        retries = self.gauge.alloc_retries()
+        self.gauge.reset()
+        # real memory keeps part of a step's memory resident (allocator caches) into the next,
+        # so what is in use before the first step is the floor; the tracker's is exact per step
+        base = None if self.gauge.kind == "tensors" else int(self.gauge.current())
+        peaks: list[int] = []
+
+        def put_back(oom: bool = True) -> None:
+            # the peak first: the restore allocates too. On a real CPU the trial's freed heap goes
+            # back to the OS before the restore maps its copies (under RLIMIT_AS that mapping
+            # counts, and right after a trial at the boundary there is no room for it otherwise)
+            self.gauge.synchronize()
+            peaks.append(int(self.gauge.peak()))
+            self.gauge.close()
+            if oom and self.lockstep is not None:
+                self.lockstep.recover(batch_size)  # the collectives the other ranks still wait in
+            if real:
+                free_memory(self.device, generation=1)
+            self.snapshot.restore()
+
+        if self.lockstep is not None:
+            self.lockstep.begin()
+        # the restore runs after the OOM's traceback is gone, before memory is released
+        outcome = attempt(run, device=self.device, on_oom=put_back)
+        if not outcome.oom:
+            put_back(oom=False)
+        peak = peaks[0]
+        seconds = time.perf_counter() - began
+        m = holder[0] if holder else None
+        start = holder[1] if len(holder) > 1 else None
+        if base is not None:
+            start = base
+        tensor_bytes = int(m.peak_bytes) if real and m is not None else None
+        if outcome.oom:
+            kind = OOM
+            bound = _oom_bound(peak, outcome)
+            peak_bytes = bound if bound is not None else peak
+        else:
+            kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
+            bound = None
+            peak_bytes = peak
+        after = self.gauge.alloc_retries()
+        trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=int(peak_bytes), start_bytes=start,
+                      seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
+                      bound_bytes=bound, step_seconds=min(times) if kind == FIT and times else None,
+                      alloc_retries=None if retries is None or after is None else after - retries)
+        return trial
+
+    def retime(self, batch_size: int) -> float | None:
+        """A warm-up step and ``timed_steps`` timed ones at a size that fitted; the fastest, or ``None``.
+
+        For comparing sizes side by side (the throughput objective); memory is not measured
+        again. The state is put back after, as after a trial.
+        """
+        tracked = self.device.type == "cpu"
+        read = step_clock(self.device)
+        times: list[float] = []
+
+        def one_step() -> None:
+            self.step(batch_size)
+
+        def run() -> None:
+            with outside_trackers() if tracked else contextlib.nullcontext(True) as clear:
+                if clear:
+                    one_step()
+                    times.extend(timed(one_step, self.gauge.synchronize, read) for _ in range(self.timed_steps))
+
+        outcome = attempt(run, device=self.device, on_oom=self.snapshot.restore)
+        if not outcome.oom:
+            self.snapshot.restore()
+        return None if outcome.oom or not times else min(times)
+
+    def _time_steps(self, times: list[float], one_step: Callable[[], None], tracked: bool,
+                    read: Callable[[], float]) -> None:
+        """Time steps until ``timed_steps`` are, if the memory steps fitted (an over-target size is never chosen)."""
+        missing = self.timed_steps - len(times)
+        if missing <= 0 or self.lockstep is not None:  # ranks in lockstep: only steps every rank runs
+            return
+        self.gauge.synchronize()
+        if self.gauge.peak() > self.space.limit_bytes:
+            return
+        with outside_trackers() if tracked else contextlib.nullcontext(True) as clear:
+            if not clear:
+                if not self._untimed_warned:
+                    self._untimed_warned = True
+                    logger.warning("trials are not timed: a dispatch mode other than batchpilot's tracker is "
+                                   "running, and timing under it would measure the mode, not the step")
+                return
+            for _ in range(missing):
+                times.append(timed(one_step, self.gauge.synchronize, read))
+
+    def _refuse(self, batch_size: int) -> Trial | None:
+        """A trial predicted over a limit past which the process is killed is not run."""
+        if not self.gauge.kills:
+            return None
+        predicted = predict_peak(self.done, batch_size)
+        if predicted is None:
+            return None
+        hard = int(self.space.capacity_bytes * (1 - _KILL_MARGIN))
+        if predicted <= hard:
+            return None
+        logger.info("batch %d not run: its predicted peak %s is over the %s limit %s, past which the "
+                    "process is killed", batch_size, format_bytes(predicted), self.gauge.limits.binding,
+                    format_bytes(hard))
+        return Trial(batch_size=batch_size, outcome=REFUSED, peak_bytes=int(predicted), start_bytes=None)
+
+    def _steady_bytes(self) -> int:
+        """Bytes in use as the last step starts, less gradients (a step may free them before its peak)."""
+        self.gauge.synchronize()
+        grads: dict[int, int] = {}
+        for obj in self.targets:
+            if isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    g = p.grad
+                    if g is not None and g.device == self.device:
+                        st = g.untyped_storage()
+                        grads[id(st)] = st.nbytes()
+        return max(0, int(self.gauge.current()) - sum(grads.values()))
+
+
+def _oom_bound(peak: int, outcome: Any) -> int | None:
+    """What an OOM proves the step needed, in the gauge's figure; ``None`` when its message is silent.
+
+    The allocator's own figures where it states them (:attr:`~batchpilot.memory.oom.OOMReport.min_peak_bytes`:
+    the process's device memory plus the request on CUDA, the live bytes plus the request under
+    emulation). Not on a real CPU: its allocator states only the request, and it fails on mapped
+    address space (``RLIMIT_AS``, overcommit), which the resident figure does not follow closely
+    enough for a bound; there an OOM only brackets the search.
+    """
+    report = getattr(outcome, "report", None)
+    if report is None or report.backend == "cpu" or report.min_peak_bytes is None:
+        return None
+    return int(report.min_peak_bytes)
+
+
+def _log_trial(t: Trial, index: int, space: SearchSpace) -> None:
+    peak = "unknown" if t.peak_bytes is None else format_bytes(t.peak_bytes)
+    if t.outcome == OOM:
+        peak = f"OOM (at least {peak})" if t.peak_bytes is not None else "OOM"
+    logger.info("trial %d: batch %d -> %s, peak %s, limit %s, %.2fs",
+                index, t.batch_size, t.outcome, peak, format_bytes(space.limit_bytes), t.seconds)
+
+
+def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device, reason: str) -> NothingFitsError:
+    smallest = min(trials, key=lambda t: t.batch_size) if trials else None
+    if smallest is None or reason == "max_trials":
+        msg = f"no batch size fitted in {len(trials)} trials on {device}; raise max_trials"
+        return NothingFitsError(msg, batch_size=space.min_batch_size, peak_bytes=None,
+                                limit_bytes=space.limit_bytes, capacity_bytes=space.capacity_bytes)
+    if smallest.outcome == OOM:
+        seen = "" if smallest.peak_bytes is None else f" (with {format_bytes(smallest.peak_bytes)} already allocated)"
+        what = f"ran out of memory{seen}"
+    else:
+        what = f"peaked at {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+    msg = (
+        f"nothing fits on {device}: batch size {smallest.batch_size} {what}, over the limit "
+        f"{format_bytes(space.limit_bytes)} = {space.limit_bytes / space.capacity_bytes:.0%} of the capacity "
+        f"{format_bytes(space.capacity_bytes)} ({space.capacity_bytes} bytes); use a smaller model, "
+        "mixed precision or activation checkpointing, a larger target, or a device with more memory"
+    )
+    return NothingFitsError(msg, batch_size=smallest.batch_size, peak_bytes=smallest.peak_bytes,
+                            limit_bytes=space.limit_bytes, capacity_bytes=space.capacity_bytes)

@@ -1,0 +1,339 @@
+"""Find the batch size for a model without writing the step, optionally seeded by the planner.
+
+:func:`find_batch_size_for` builds the step from a model, an optimizer, a loss and an example
+batch and runs the finder (:func:`batchpilot.find.finder.find_batch_size`) on it; with
+``plan_first=True`` the search starts from the planner's answer (:mod:`batchpilot.plan.planner`), which
+it verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..core.amp import amp_dtype as _amp_dtype, autocast
+from ..core.batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
+from ..core.compiled import is_compiled, mark_batch_dynamic
+from ..core.loss import LossFn, as_loss_fn, forward_only, parse_loss
+from ..memory.gauge import gauge_for
+from ..memory.tracker import view_extent
+from ..memory.units import format_bytes, resolve_device
+from ..policy.search import BatchSizeError
+from ..policy.speed import check_objective
+from .finder import _EMULATED, FinderConfig, _ambient_capacity, find_batch_size
+from .result import BatchPlan
+
+__all__ = ["find_batch_size_for"]
+
+logger = logging.getLogger(__name__)
+
+#: find_batch_size_for's objective by mode (README: "Fastest, not largest")
+_DEFAULT_OBJECTIVE = {"train": "memory", "eval": "throughput"}
+
+
+def find_batch_size_for(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Any = None,
+    mode: Literal["train", "eval"] = "train",
+    amp: str | torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    restore: Iterable[Any] | None = None,
+    plan_first: bool = False,
+    shared: str | Iterable[str] | None = None,
+    split_fn: SplitFn | None = None,
+    objective: Literal["memory", "throughput"] | None = None,
+    search: Callable[..., BatchPlan] | None = None,
+    lengths: Iterable[int] | None = None,
+    seq_dim: int | None = None,
+    **options: Any,
+) -> BatchPlan:
+    """Find the batch size for a model without writing the step.
+
+    The step is the engine's: ``loss_fn(model, batch)`` returning the mean loss or a
+    ``(sum, count)`` pair (divided out before ``backward``), or a torch criterion applied as
+    ``criterion(model(inputs), targets)`` to ``(inputs, targets)`` batches; any batch of
+    :mod:`batchpilot.core.batch`'s rules (dicts of tensors, per-sample lists, ``shared`` keys).
+    ``mode="train"`` runs ``optimizer.zero_grad(set_to_none=True)``, the loss, ``backward``
+    and ``optimizer.step()`` (through ``scaler`` when given); ``mode="eval"`` runs the
+    forward alone under ``torch.inference_mode()`` with the model in eval mode.
+
+    With ``plan_first=True`` one planning pass on fake tensors picks the first real trial,
+    which the search then verifies (two trials when the plan is right). It pays where real
+    trials are dear (a GPU); a step that cannot be planned is searched unseeded (logged).
+
+    Args:
+        model: the model, already on its device (the one measured unless ``device=`` is given).
+        batch: an example batch (samples repeated up to any size) or a function
+            ``batch_size -> batch``; moved to the device per trial.
+        optimizer: required for ``mode="train"``.
+        loss_fn: ``loss_fn(model, batch)`` or a criterion; required for training.
+        mode: ``"train"`` or ``"eval"``.
+        amp: ``"bf16"`` / ``"fp16"`` (or a dtype): the forward under ``torch.autocast``.
+        scaler: a ``GradScaler`` for fp16 training.
+        restore: what to snapshot and restore; default the model, optimizer and scaler.
+        plan_first: seed the search with the planner's answer (``seeded_by == "plan"``).
+        shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.core.batch`).
+        split_fn: ``split_fn(batch, start, stop)`` cutting the example batch yourself; the
+            search then stays within the example's size.
+        objective: ``"memory"`` (the largest batch that fits) or ``"throughput"`` (the smallest
+            about as fast, see :func:`find_batch_size`); ``None``: ``"throughput"`` for
+            ``mode="eval"``, where the batch is only a speed knob, ``"memory"`` for training,
+            where it is a hyperparameter that should not move with the machine's load.
+        search: the search the step runs under, called as ``search(step, device=, restore=,
+            **options)``: :func:`find_batch_size` (default), or
+            :func:`batchpilot.dist.distributed.find_batch_size_distributed` to agree across ranks.
+        lengths: sequence lengths to answer for (padded LM batches): a real search runs at two
+            or three of them (those within 8× of the longest: see
+            :func:`batchpilot.policy.lengths.choose_fit_lengths`) on
+            the example batch trimmed to each on ``seq_dim`` (or ``batch(batch_size, length)`` when
+            ``batch`` is a function), and their memory lines fit ``peak ≈ F(L) + b·P(L)``
+            (:mod:`batchpilot.policy.lengths`). Returns a :class:`batchpilot.find.lengths.LengthPlan`:
+            the search at the longest length, with ``per_length`` answering every length.
+        seq_dim: the dimension of the example batch that holds the tokens (with ``lengths``;
+            ``None``: 1). On a compiled model it is marked dynamic with the batch dimension, so
+            the searches at several lengths share one graph.
+        **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
+
+    Raises:
+        ValueError: unknown mode, training without an optimizer or loss, a criterion with
+            ``reduction='none'``, an example batch the rules cannot read, or a model sharded with
+            ``fully_shard`` over several ranks (whose trials must run in lockstep:
+            :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, or the engine's ``"auto"`` start).
+        BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a ``first_guess``.
+        NothingFitsError: as :func:`find_batch_size`.
+    """
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if lengths is not None:  # one search per fitted length, each through this function
+        from .lengths import find_per_length
+
+        return find_per_length(
+            find_batch_size_for, model, batch, lengths=lengths, seq_dim=seq_dim, optimizer=optimizer,
+            loss_fn=loss_fn, mode=mode, amp=amp, scaler=scaler, restore=restore, plan_first=plan_first,
+            shared=shared, split_fn=split_fn, objective=objective, search=search, **options,
+        )
+    if _sharded_over_ranks(model):
+        raise ValueError(
+            "the model is sharded with fully_shard over several ranks: an OOM in one rank's trial would "
+            "leave the others waiting in a collective. Use batchpilot.dist.fsdp.find_batch_size_fsdp (trials in "
+            "lockstep), or Engine(micro_batch_size='auto'), which does"
+        )
+    options["objective"] = check_objective(objective if objective is not None else _DEFAULT_OBJECTIVE[mode],
+                                           error=BatchSizeError)
+    dtype = _amp_dtype(amp)
+    if mode == "train" and optimizer is None:
+        raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
+    if mode == "train" and loss_fn is None:
+        raise ValueError("mode='train' needs loss_fn: loss_fn(model, batch) -> loss | (sum, count), or a criterion")
+    loss = as_loss_fn(loss_fn) if loss_fn is not None else None
+    layout = BatchLayout.of(shared, split_fn)
+    make = make_batch_fn(batch, layout)
+    if layout is not None and layout.split_fn is not None and not callable(batch):
+        most = batch_size_of(batch, layout)
+        if options.get("max_batch_size") is None or options["max_batch_size"] > most:
+            logger.info("split_fn cuts the example batch: searching up to its %d samples", most)
+            options["max_batch_size"] = most
+    params = list(model.parameters())
+    device = options.pop("device", params[0].device if params else None)
+    dev = resolve_device(device)
+    targets = list(restore) if restore is not None else [model, optimizer, scaler]
+    step = _train_step(model, optimizer, loss, dtype, scaler, dev) if mode == "train" else None
+    seed = None
+    if plan_first:
+        if options.get("first_guess") is not None:
+            raise BatchSizeError("pass first_guess or plan_first=True, not both: the plan is a first guess")
+        cfg = FinderConfig(**options)  # bad options fail here, before the planning pass
+        seed = _plan_seed(model, batch, optimizer=optimizer, loss_fn=loss, mode=mode, amp=dtype,
+                          layout=layout, cfg=cfg, device=dev)
+        options["first_guess"] = seed.batch_size
+
+    # dim 0 (and the tokens' dim) dynamic from the first compilation: one graph for every trial size
+    dynamic = (lambda data: mark_batch_dynamic(data, layout, seq_dim=seq_dim)) if is_compiled(model) \
+        else (lambda data: data)
+
+    def train_step(b: int) -> None:
+        step(dynamic(to_device(make(b), dev)))
+
+    fwd = forward_only(loss)
+
+    def eval_step(b: int) -> None:
+        data = dynamic(to_device(make(b), dev))
+        with torch.inference_mode(), autocast(dev.type, dtype):
+            fwd(model, data)
+
+    run = find_batch_size if search is None else search
+    if mode == "eval":
+        flags = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            plan = run(eval_step, device=device, restore=targets, **options)
+        finally:
+            for m, flag in flags:
+                m.training = flag
+    else:
+        plan = run(train_step, device=device, restore=targets, **options)
+    if seed is not None:
+        plan.plan_seconds = seed.seconds
+        plan.seconds += seed.seconds
+        plan.seeded_by = "plan" if seed.batch_size is not None else None
+    return plan
+
+
+def _sharded_over_ranks(model: nn.Module) -> bool:
+    """A ``fully_shard`` (FSDP2) model in a process group of more than one rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn, dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler | None, device: torch.device,
+) -> Callable[[Any], None]:
+    """One optimizer step on a batch, by the engine's loss convention (a ``(sum, count)`` loss is averaged)."""
+
+    def run(data: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(device.type, dtype):
+            out = loss_fn(model, data)
+        loss, count, kind = parse_loss(out)
+        if kind == "sum":
+            # an all-padding batch counts 0: its gradients are 0, not NaN
+            loss = loss / (count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1))
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+    return run
+
+
+# ---------------------------------------------------------------------------
+# planner seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Seed:
+    """The planner's first guess (``None``: search unseeded) and the seconds planning took."""
+
+    batch_size: int | None
+    seconds: float
+
+
+def _pool_storage_bytes(batch: Any, device: torch.device) -> list[int]:
+    """Bytes of the example batch's storages on ``device``, each storage once.
+
+    :func:`make_batch_fn` reads every batch's rows from the example batch, so
+    the finder's measurements count that pool (the tracker counts a storage
+    once it is read; a caching allocator holds it anyway) on top of the batch
+    itself; the planner builds each batch from shapes alone. A callable batch
+    has no pool.
+    """
+    if callable(batch) and not isinstance(batch, torch.Tensor):
+        return []
+    sizes: dict[int, int] = {}
+    for t in tree_flatten(batch)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device == device:
+            st = t.untyped_storage()
+            # the tracker charges a slice of a larger tensor by the part it covers
+            covered = min(st.nbytes(), view_extent(t)) if device.type == "cpu" else st.nbytes()
+            sizes[id(st)] = max(sizes.get(id(st), 0), covered)
+    return list(sizes.values())
+
+
+def _cuda_accounting(device: torch.device) -> Any:
+    """Allocator accounting for this GPU, without the CUDA context.
+
+    The finder measures the context (and everything else outside PyTorch) when a trial
+    starts, so the plan leaves it out and its limit is lowered by what is outside now; the
+    cuBLAS workspace size depends on the architecture, as in :mod:`batchpilot.plan.gpus`.
+    """
+    from ..plan.gpus import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_HOPPER, HIPBLAS_WORKSPACE_MI300, CudaAccounting
+
+    if torch.version.hip:
+        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+        workspace = HIPBLAS_WORKSPACE_MI300 if arch.startswith(("gfx94", "gfx95")) else CUBLAS_WORKSPACE_HOPPER
+    else:
+        major = torch.cuda.get_device_capability(device)[0]
+        workspace = CUBLAS_WORKSPACE_HOPPER if major in (9, 10, 12) else CUBLAS_WORKSPACE_DEFAULT
+    return CudaAccounting(blas_workspace=workspace, context=0)
+
+
+def _plan_seed(
+    model: nn.Module,
+    batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: LossFn | None,
+    mode: str,
+    amp: torch.dtype | None,
+    layout: BatchLayout | None,
+    cfg: FinderConfig,
+    device: torch.device,
+) -> _Seed:
+    """One planning pass for the limit the finder will measure against.
+
+    The planner runs the finder's own step (same loss, ``steps_per_trial`` steps; a
+    GradScaler's few scalar tensors are left out) and solves for ``target × capacity`` less
+    what the finder counts besides the step: the example batch kept on the device (see
+    :func:`_pool_storage_bytes`) and, on real memory, what is in use now. On an emulated CPU
+    its answer is the finder's byte for byte. On CUDA it predicts reserved memory (allocator
+    rounding, segments, cuBLAS workspaces); the context and other processes are measured
+    now and left out of the limit. On a real CPU the plan counts tensors only, while the
+    resident set also holds allocator and kernel scratch, so half the plan is tried first.
+    """
+    # imported here: fake tensors and the GPU tables are needed only when a plan is asked for
+    from ..plan.result import PlanningError
+    from ..plan.planner import plan_batch_size
+
+    started = time.perf_counter()
+    emulated = cfg.capacity is not None and device.type in _EMULATED
+    gauge = gauge_for(device, emulated_capacity=cfg.capacity if emulated else _ambient_capacity(device))
+    cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
+    limit = int(cfg.target * cap)
+    accounting = _cuda_accounting(device) if device.type == "cuda" else None
+    pool = sum(accounting.block_size(n) if accounting else n for n in _pool_storage_bytes(batch, device))
+    if gauge.kind != "tensors":
+        gauge.reset()  # a CUDA gauge reads what is outside PyTorch here
+        pool = max(pool, 0) + int(gauge.current()) if gauge.host else pool + gauge.outside
+    if limit <= pool:
+        logger.info("plan_first: the example batch alone (%s) fills the limit %s; searching unseeded",
+                    format_bytes(pool), format_bytes(limit))
+        return _Seed(batch_size=None, seconds=time.perf_counter() - started)
+    try:
+        plan = plan_batch_size(
+            model, batch, capacity=limit - pool, target=1.0, optimizer=optimizer if mode == "train" else None,
+            loss_fn=loss_fn, amp=amp, steps=cfg.steps_per_trial, mode=mode,
+            device="cpu" if accounting is None else "cuda", accounting=accounting,
+            max_batch_size=cfg.max_batch_size or 1 << 20,
+            shared=None if layout is None else layout.shared,
+        )
+    except PlanningError as exc:
+        logger.info("plan_first: searching unseeded, the step cannot be planned: %s", exc)
+        return _Seed(batch_size=None, seconds=time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    if plan.batch_size == 0:
+        logger.info("plan_first: the plan says even a batch of 1 needs more than %s; searching unseeded",
+                    format_bytes(limit - pool))
+        return _Seed(batch_size=None, seconds=seconds)
+    guess = plan.batch_size if not gauge.host else max(1, plan.batch_size // 2)
+    logger.info("plan_first: planned batch %d in %d fake runs (%.2fs); verifying %d on %s",
+                plan.batch_size, len(plan.evaluations), seconds, guess, device)
+    return _Seed(batch_size=guess, seconds=seconds)

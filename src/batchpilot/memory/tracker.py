@@ -1,0 +1,425 @@
+"""Exact storage tracking on the CPU: a dispatch mode that counts the bytes of every live tensor storage.
+
+:class:`StorageTracker` counts (and, with a capacity, limits) the storages operators return;
+:func:`active_tracker` and :func:`untracked` find and pause the running ones. The helpers for what
+a dispatch mode does not see by itself (tensor subclasses, in-place storage resizes) are shared
+with the planner's counter (:mod:`batchpilot.plan.planner`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
+from torch.utils._pytree import tree_flatten
+
+from ..core.compiled import eager_while_tracked
+from .units import format_bytes
+
+__all__ = [
+    "StorageTracker",
+    "active_tracker",
+    "untracked",
+    "view_extent",
+    "tensor_storages",
+    "wraps_subclass",
+    "watch_storage_resizes",
+]
+
+
+class StorageTracker(TorchDispatchMode):
+    """Count the bytes of live tensor storages on one device, exactly.
+
+    Every storage an operator returns is counted once (views share it) and
+    released by a weakref callback when the storage is freed. Tensors that exist
+    before the tracker starts are counted whole when :meth:`track` is given them
+    (modules: parameters, buffers and gradients; optimizers: their state);
+    otherwise, when an operator first reads them, by the bytes the view read
+    covers: data from outside the step (``X[:8]`` of a dataset tensor ``X``)
+    is host data, and only the part a step reads would be on a device.
+
+    With ``capacity`` set, an operator whose new outputs would take the live
+    bytes past it raises ``torch.OutOfMemoryError``: the CPU then behaves like a
+    device of that size. Allocations made inside a kernel that never surface as
+    tensors (scratch buffers) are invisible, as they are to every
+    dispatch-level tracker.
+
+    :meth:`paused` (or :func:`untracked` for every running tracker) switches
+    the counting off for a block, e.g. for copies kept in host memory that are
+    not device memory.
+
+    ``torch.compile``'d code runs eagerly while a tracker runs (the eager program is what it
+    counts) and is left compiled afterwards (:func:`batchpilot.core.compiled.eager_while_tracked`).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", capacity: int | None = None) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        # storages charged for less than their size: host data seen through views
+        self._partial: set[int] = set()
+        # the open track_peak regions (probes.PeakMeasurement), whose peak_bytes this raises
+        self._windows: list[Any] = []
+        self._lock = threading.Lock()
+        # per thread: another thread's operators are still device memory while one thread pauses
+        self._pause = threading.local()
+        self._eager: list[contextlib.AbstractContextManager] = []
+
+    # -- bookkeeping ------------------------------------------------------
+    def _release(self, key: int, _ref: Any) -> None:
+        with self._lock:
+            self._refs.pop(key, None)
+            self._partial.discard(key)
+            self.live -= self._sizes.pop(key, 0)
+
+    def _bump_peak(self) -> None:
+        if self.live > self.peak:
+            self.peak = self.live
+        for w in self._windows:
+            if self.live > w.peak_bytes:
+                w.peak_bytes = self.live
+
+    def _storage(self, t: Any) -> torch.UntypedStorage | None:
+        if not isinstance(t, torch.Tensor) or t.device != self.device:
+            return None
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse / nested tensors own no plain storage
+            return None
+
+    def _add_storages(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        with self._lock:
+            for st in storages:
+                key = id(st)
+                nbytes = st.nbytes()
+                old = self._sizes.get(key)
+                if old is None:
+                    self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
+                    self._sizes[key] = nbytes
+                    self.live += nbytes
+                elif old != nbytes:  # resize_ grew or shrank a storage in place (or host data now tracked whole)
+                    self._sizes[key] = nbytes
+                    self.live += nbytes - old
+                self._partial.discard(key)
+            self._bump_peak()
+
+    def track(self, *objs: Any) -> StorageTracker:
+        """Count tensors that already exist: modules, optimizers, tensors, or containers of them."""
+        storages = []
+        for obj in objs:
+            for t in _tensors_of(obj):
+                storages += [st for st in tensor_storages(t) if _on(st, t, self.device)]
+        self._add_storages(storages)
+        return self
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.live
+
+    @property
+    def is_paused(self) -> bool:
+        """True inside :meth:`paused` on the calling thread."""
+        return getattr(self._pause, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[StorageTracker]:
+        """Neither count nor limit the operators the calling thread runs in this block.
+
+        Inside, new storages are not counted, ``capacity`` is not enforced and
+        the peak (of the tracker and of every :func:`track_peak` window) does
+        not move. Frees are still seen: a counted storage released inside
+        leaves the count as usual. A tensor created inside is unknown to the
+        tracker afterwards, like one made before the tracker started: it
+        counts from the first operator that reads it outside a pause, or when
+        given to :meth:`track`. Calls nest; :meth:`track` counts even while paused.
+
+        Example::
+
+            with tracker.paused():
+                host_copy = weights.detach().clone()  # not device memory
+        """
+        self._pause.depth = getattr(self._pause, "depth", 0) + 1
+        try:
+            yield self
+        finally:
+            self._pause.depth -= 1
+
+    # -- interception -----------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if wraps_subclass(types):
+            # a DTensor (FSDP2's sharded parameters) runs its operator as operators on its local
+            # tensors, which come back here: those hold the storages
+            return NotImplemented
+        if getattr(self._pause, "depth", 0):
+            return func(*args, **kwargs)
+        # tensors from outside the step (unseen, or host data seen through a view so far)
+        host = [t for t in tree_flatten((args, kwargs))[0] if self._is_host(t)]
+        host_keys = {id(self._storage(t)) for t in host}
+        out = func(*args, **kwargs)
+        fresh: dict[int, torch.UntypedStorage] = {}
+        grown = []
+        views = []
+        for t in tree_flatten(out)[0]:
+            st = self._storage(t)
+            if st is None:
+                continue
+            key = id(st)
+            old = self._sizes.get(key)
+            if key in host_keys:
+                views.append(t)  # a view of host data (a slice of a dataset): charged by what it covers
+            elif old is None:
+                fresh[key] = st
+            elif old != st.nbytes():
+                grown.append(st)
+        request = sum(st.nbytes() for st in fresh.values())
+        request += sum(st.nbytes() - self._sizes[id(st)] for st in grown)
+        if self.capacity is not None and request > 0 and self.live + request > self.capacity:
+            live, cap = self.live, self.capacity
+            del out, fresh, grown
+            raise torch.OutOfMemoryError(
+                f"batchpilot emulated capacity exceeded on {self.device}: tried to allocate "
+                f"{format_bytes(request)} ({request} bytes) in {func} with {live} bytes live; "
+                f"capacity {format_bytes(cap)} ({cap} bytes)"
+            )
+        if fresh or grown:
+            self._add_storages([*fresh.values(), *grown])
+        # host data an operator read (not merely viewed) is charged by the view it read
+        viewed = {id(self._storage(t)) for t in views}
+        read = [t for t in host if id(self._storage(t)) not in viewed]
+        if views or read:
+            self._charge_host_views([*views, *read])
+        return out
+
+    def _is_host(self, t: Any) -> bool:
+        st = self._storage(t)
+        return st is not None and (id(st) not in self._sizes or id(st) in self._partial)
+
+    def _charge_host_views(self, leaves: Iterable[Any]) -> None:
+        """Count tensors that existed before the tracker by the bytes each view covers.
+
+        A tensor the tracker has not seen is data from outside the step (a dataset tensor, a
+        slice of it, a ``TensorDataset`` row a loader stacks): on a device only the part a step
+        reads would be there, so ``X[:8]`` counts like ``X[:8].clone()`` and not like ``X``. A
+        storage seen again through a wider view is charged up to that view (at most its size).
+        """
+        with self._lock:
+            for t in leaves:
+                st = self._storage(t)
+                if st is None:
+                    continue
+                key = id(st)
+                old = self._sizes.get(key)
+                if old is not None and key not in self._partial:
+                    continue
+                size = st.nbytes()
+                covered = min(size, view_extent(t))
+                if old is None:
+                    self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
+                    self._sizes[key] = covered
+                    self.live += covered
+                    if covered < size:
+                        self._partial.add(key)
+                elif covered > old:
+                    self._sizes[key] = covered
+                    self.live += covered - old
+                    if covered == size:
+                        self._partial.discard(key)
+            self._bump_peak()
+
+    # -- storages resized in place (FSDP2 frees and re-allocates unsharded parameters so) -----
+    def _pre_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        if getattr(self._pause, "depth", 0) or st.device != self.device:
+            return
+        grow = nbytes - self._sizes.get(id(st), 0)
+        if self.capacity is not None and grow > 0 and self.live + grow > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"batchpilot emulated capacity exceeded on {self.device}: tried to allocate "
+                f"{format_bytes(grow)} ({grow} bytes) in UntypedStorage.resize_ with {self.live} bytes live; "
+                f"capacity {format_bytes(self.capacity)} ({self.capacity} bytes)"
+            )
+
+    def _post_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        if st.device != self.device:
+            return
+        key = id(st)
+        with self._lock:
+            old = self._sizes.get(key)
+            if old is None:
+                if getattr(self._pause, "depth", 0) or nbytes == 0:
+                    return
+                self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
+                old = 0
+            self._sizes[key] = nbytes
+            self._partial.discard(key)
+            self.live += nbytes - old
+            self._bump_peak()
+
+    def __enter__(self) -> StorageTracker:
+        # dynamo skips frames under a dispatch mode and never compiles them again: compiled
+        # models run eagerly while tracked instead (batchpilot.core.compiled)
+        eager = eager_while_tracked()
+        eager.__enter__()
+        self._eager.append(eager)
+        _ACTIVE.append(self)
+        _RESIZE_WATCHERS.append(self)
+        _patch_resize()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _ACTIVE.remove(self)
+            _RESIZE_WATCHERS.remove(self)
+            _patch_resize()
+            self._eager.pop().__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+            _RESIZE_WATCHERS.remove(self)
+            _patch_resize()
+            self._eager.pop().__exit__(None, None, None)
+
+
+_ACTIVE: list[StorageTracker] = []
+
+
+# ---------------------------------------------------------------------------
+# Tensor subclasses and in-place storage resizes: what a dispatch mode does not see by itself
+
+
+def wraps_subclass(types: Iterable[type]) -> bool:
+    """Whether an operator's ``types`` include a wrapper subclass (``DTensor``) that desugars it.
+
+    A dispatch mode runs before tensor subclasses; returning ``NotImplemented`` for such an
+    operator lets the subclass run it as operators on its inner tensors, which the mode sees.
+    """
+    return any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types)
+
+
+def tensor_storages(t: Any) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s bytes: its own, or its inner tensors' for a ``DTensor``."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [st for a in attrs for st in tensor_storages(getattr(t, a))]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # sparse / nested tensors own no plain storage
+        return []
+
+
+def _on(st: torch.UntypedStorage, t: torch.Tensor, device: torch.device) -> bool:
+    return st.device == device if hasattr(st, "device") else t.device == device
+
+
+#: objects with ``_pre_resize(storage, nbytes)`` (may raise) and ``_post_resize(storage, nbytes)``
+_RESIZE_WATCHERS: list[Any] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+_resize_lock = threading.Lock()
+
+
+def _watched_resize(st: torch.UntypedStorage, size: int) -> Any:
+    watchers = list(_RESIZE_WATCHERS)
+    for w in watchers:
+        w._pre_resize(st, int(size))
+    out = _ORIGINAL_RESIZE(st, size)
+    for w in watchers:
+        w._post_resize(st, int(size))
+    return out
+
+
+def _patch_resize() -> None:
+    """``UntypedStorage.resize_`` is not a dispatched operator: watch it while anyone listens."""
+    with _resize_lock:
+        torch.UntypedStorage.resize_ = _watched_resize if _RESIZE_WATCHERS else _ORIGINAL_RESIZE
+
+
+@contextlib.contextmanager
+def watch_storage_resizes(watcher: Any) -> Iterator[None]:
+    """Call ``watcher._pre_resize(storage, nbytes)`` / ``_post_resize`` around every storage resize.
+
+    FSDP2 allocates and frees its unsharded parameters with ``UntypedStorage.resize_``, which no
+    dispatch mode sees; :class:`StorageTracker` and the planner's counter listen here.
+    """
+    _RESIZE_WATCHERS.append(watcher)
+    _patch_resize()
+    try:
+        yield
+    finally:
+        _RESIZE_WATCHERS.remove(watcher)
+        _patch_resize()
+
+
+def view_extent(t: torch.Tensor) -> int:
+    """Bytes of storage a view spans, from its first element to its last."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride()))
+    return span * t.element_size()
+
+
+def active_tracker(device: torch.device | str = "cpu") -> StorageTracker | None:
+    """The innermost :class:`StorageTracker` running for ``device``, if any."""
+    dev = torch.device(device)
+    for tr in reversed(_ACTIVE):
+        if tr.device == dev:
+            return tr
+    return None
+
+
+@contextlib.contextmanager
+def untracked(device: torch.device | str | None = "cpu") -> Iterator[list[StorageTracker]]:
+    """Pause every :class:`StorageTracker` running for ``device`` (``None``: every device).
+
+    The public way to allocate memory that is not device memory while a
+    tracker runs — a snapshot's host copies, say: nothing the calling thread
+    allocates in the block is counted or limited (see
+    :meth:`StorageTracker.paused`). Trackers started inside the block are not
+    paused. Without a running tracker it does nothing. Yields the paused trackers.
+    """
+    dev = None if device is None else torch.device(device)
+    trackers = [tr for tr in _ACTIVE if dev is None or tr.device == dev]
+    with contextlib.ExitStack() as stack:
+        for tr in trackers:
+            stack.enter_context(tr.paused())
+        yield trackers
+
+
+def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from _tensors_of(state)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors_of(v)
+    elif hasattr(obj, "state_dict") and callable(obj.state_dict):  # GradScaler and friends
+        yield from _tensors_of(obj.state_dict())

@@ -1,0 +1,745 @@
+"""Pure integer search policies for the largest batch size under a memory limit.
+
+Nothing here imports torch: a policy sees the trials so far (size, outcome ``fit`` /
+``over_target`` / ``oom``, peak) and names the next size, so its sequence can be asserted on a
+memory function written in plain Python. :func:`run_search` is the loop the finder and the
+tests share. How ``predict`` reasons: ``docs/internals.md#search``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
+
+from .._checks import positive_int
+
+__all__ = [
+    "FIT",
+    "OVER_TARGET",
+    "OOM",
+    "REFUSED",
+    "Outcome",
+    "BatchSizeError",
+    "NothingFitsError",
+    "Trial",
+    "SearchSpace",
+    "SearchPolicy",
+    "PredictPolicy",
+    "PowerPolicy",
+    "BinsearchPolicy",
+    "DecayPolicy",
+    "STRATEGIES",
+    "make_policy",
+    "decay_batch_step",
+    "bracket",
+    "fit_line",
+    "predict_peak",
+    "reclassify",
+    "SearchResult",
+    "run_search",
+]
+
+FIT = "fit"
+OVER_TARGET = "over_target"
+OOM = "oom"
+REFUSED = "refused"
+Outcome = Literal["fit", "over_target", "oom", "refused"]
+_OUTCOMES = (FIT, OVER_TARGET, OOM, REFUSED)
+
+
+class BatchSizeError(ValueError):
+    """A batch-size search cannot run as asked (bad target, bounds or strategy)."""
+
+
+class NothingFitsError(BatchSizeError, RuntimeError):
+    """Not even the smallest allowed batch fits under the memory limit.
+
+    It is a :class:`BatchSizeError` (so a ``ValueError``) because the inputs
+    cannot be satisfied, and a ``RuntimeError`` because it is found by running.
+
+    Attributes:
+        batch_size: the smallest batch size tried.
+        peak_bytes: its measured peak; for an OOM the bytes live when it failed
+            (a lower bound), or ``None`` when no figure is available.
+        limit_bytes: the memory limit (``target × capacity``).
+        capacity_bytes: the device capacity.
+    """
+
+    def __init__(
+        self, message: str, *, batch_size: int, peak_bytes: int | None, limit_bytes: int, capacity_bytes: int
+    ) -> None:
+        super().__init__(message)
+        self.batch_size = batch_size
+        self.peak_bytes = peak_bytes
+        self.limit_bytes = limit_bytes
+        self.capacity_bytes = capacity_bytes
+
+
+@dataclass(kw_only=True)
+class Trial:
+    """One measured batch size.
+
+    Attributes:
+        batch_size: the batch size run (or refused).
+        outcome: ``"fit"``, ``"over_target"``, ``"oom"``, or ``"refused"``: not run, because
+            its predicted peak was over a limit past which the process would be killed.
+        peak_bytes: the peak of the memory that fails (see the finder); for an OOM, a lower
+            bound (what was in use when it failed, plus the request when the allocator said
+            it) or ``None``; for a refused trial, the prediction.
+        start_bytes: bytes in use at the start of the trial's last (steady-state)
+            step that stay in use through it — the model, optimizer state and
+            anything else alive, not gradients a step may free first; a floor
+            under every batch size's peak. ``None`` if unknown.
+        seconds: wall time of the trial.
+        message: the first line of the OOM error, for an OOM.
+        tensor_bytes: where the peak is the process's real memory, the peak of the tensors
+            alone (exact, from a storage tracker); the rest is allocator overhead, kernel
+            scratch and everything outside PyTorch. ``None`` otherwise.
+        bound_bytes: for an OOM whose allocator said how much it asked for, the peak reached
+            plus that request: the step needed at least this, and the real capacity is below it.
+        step_seconds: the fastest of the trial's timed steps (device synchronised, the warm-up
+            step left out), for a trial that fitted; ``None`` when none was timed. A size the
+            throughput objective's choice rests on is visited again, side by side with the
+            others, and keeps the median of its visits' fastest steps.
+        alloc_retries: CUDA allocator retries during the trial (cudaMalloc failed, the cache was
+            freed and the allocation retried: thrashing just below an OOM); ``None`` elsewhere.
+    """
+
+    batch_size: int
+    outcome: Outcome
+    peak_bytes: int | None = None
+    start_bytes: int | None = None
+    seconds: float = 0.0
+    message: str | None = None
+    tensor_bytes: int | None = None
+    bound_bytes: int | None = None
+    step_seconds: float | None = None
+    alloc_retries: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome not in _OUTCOMES:
+            raise ValueError(f"outcome must be one of {', '.join(_OUTCOMES)}, got {self.outcome!r}")
+        if self.outcome != OOM and self.peak_bytes is None:
+            raise ValueError(f"a {self.outcome!r} trial needs its peak_bytes")
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome == FIT
+
+    @property
+    def measured(self) -> bool:
+        """True when ``peak_bytes`` is the full peak (the trial ran to the end)."""
+        return self.outcome in (FIT, OVER_TARGET)
+
+    @property
+    def samples_per_second(self) -> float | None:
+        """``batch_size / step_seconds``, or ``None`` when the trial was not timed."""
+        return self.batch_size / self.step_seconds if self.step_seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "samples_per_second": self.samples_per_second}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What a policy searches: batch sizes in ``[min, max]`` under ``limit_bytes``.
+
+    Raises:
+        BatchSizeError: non-positive sizes, ``min > max`` or a limit above capacity.
+    """
+
+    limit_bytes: int
+    capacity_bytes: int
+    min_batch_size: int = 1
+    max_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        positive_int("min_batch_size", self.min_batch_size, error=BatchSizeError)
+        if self.max_batch_size is not None:
+            positive_int("max_batch_size", self.max_batch_size, error=BatchSizeError)
+        if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
+            raise BatchSizeError(
+                f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
+                "lower min_batch_size or raise max_batch_size"
+            )
+        if not 0 < self.limit_bytes <= self.capacity_bytes:
+            raise BatchSizeError(
+                f"limit_bytes must be in (0, capacity_bytes={self.capacity_bytes}], got {self.limit_bytes}"
+            )
+
+    @property
+    def upper(self) -> int | None:
+        return self.max_batch_size
+
+
+def bracket(trials: Iterable[Trial]) -> tuple[int | None, int | None]:
+    """``(largest fitting size below the smallest failing one, smallest failing size)``.
+
+    Either is ``None`` when no such trial exists. A fit above a failure (memory
+    that is not monotone in the batch size) is ignored: the failure wins.
+    """
+    trials = list(trials)
+    bad = [t.batch_size for t in trials if not t.fits]
+    hi = min(bad) if bad else None
+    good = [t.batch_size for t in trials if t.fits and (hi is None or t.batch_size < hi)]
+    return (max(good) if good else None), hi
+
+
+def _points(trials: Iterable[Trial]) -> dict[int, int]:
+    """Batch size → measured peak, for the trials that ran to the end (latest wins)."""
+    return {t.batch_size: t.peak_bytes for t in trials if t.measured}
+
+
+def fit_line(trials: Sequence[Trial], limit_bytes: int | None = None) -> tuple[float, float] | None:
+    """``(fixed_bytes, bytes_per_sample)`` of the line through the two measured trials nearest the boundary.
+
+    Those are the largest fitting trial and the smallest measured one above
+    it, or the two largest fitting trials; ``None`` with fewer than two
+    measured sizes. Only trials that ran to the end count.
+    """
+    pts = _points(trials)
+    if len(pts) < 2:
+        return None
+    lo, _ = bracket(trials)
+    sizes = sorted(pts)
+    if limit_bytes is not None:
+        good = [b for b in sizes if pts[b] <= limit_bytes]
+        lo = max(good) if good else lo
+    if lo is None or lo not in pts:
+        x, y = sizes[0], sizes[1]
+    else:
+        above = [b for b in sizes if b > lo]
+        below = [b for b in sizes if b < lo]
+        x, y = (lo, above[0]) if above else (below[-1], lo)
+    slope = (pts[y] - pts[x]) / (y - x)
+    return pts[x] - slope * x, slope
+
+
+def predict_peak(trials: Sequence[Trial], b: int) -> int | None:
+    """The peak a trial at ``b`` is expected to reach, from the measured trials; ``None`` if none.
+
+    Below the largest measured size: the line through the measured sizes around ``b``. Above
+    it: the line through the two largest measured sizes, but never less than the largest
+    peak seen, and with a single measured size the proportional line through its start bytes
+    (every added byte taken as per-sample: an overestimate for memory that grows linearly).
+    """
+    pts = _points(trials)
+    if not pts:
+        return None
+    sizes = sorted(pts)
+    if b in pts:
+        return pts[b]
+    below = [x for x in sizes if x < b]
+    above = [x for x in sizes if x > b]
+    if below and above:
+        x0, x1 = below[-1], above[0]
+    elif len(sizes) >= 2:
+        x0, x1 = (sizes[-2], sizes[-1]) if not above else (sizes[0], sizes[1])
+    else:
+        t = next(t for t in trials if t.measured)
+        start = t.start_bytes or 0
+        return start + (t.peak_bytes - start) * b // t.batch_size
+    slope = (pts[x1] - pts[x0]) / (x1 - x0)
+    line = pts[x0] + slope * (b - x0)
+    if not above:
+        line = max(line, pts[sizes[-1]])
+    return int(math.ceil(line))
+
+
+def decay_batch_step(batch_size: int, num_intra_steps: int = 2, no_odd: bool = False) -> int:
+    """The next smaller batch size of timm's decay schedule.
+
+    Between consecutive powers of two it takes ``num_intra_steps`` equal steps:
+    from 256 with the defaults, 256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 6,
+    4, 3, 2, 1, then 0 (no batch left). ``no_odd`` rounds odd sizes down by one.
+
+    Raises:
+        ValueError: ``num_intra_steps`` is not positive.
+    """
+    if num_intra_steps < 1:
+        raise ValueError(f"num_intra_steps must be at least 1, got {num_intra_steps}")
+    if batch_size <= 1:
+        return 0
+    base = 1 << ((batch_size - 1).bit_length() - 1)  # largest power of two below batch_size
+    step = max(base // num_intra_steps, 1)
+    batch_size = base + ((batch_size - base - 1) // step) * step
+    if no_odd and batch_size % 2:
+        batch_size -= 1
+    return batch_size
+
+
+def _clamp(b: int, lo: int, hi: int | None) -> int:
+    b = max(b, lo)
+    return b if hi is None else min(b, hi)
+
+
+def _check_start(start: int | None) -> None:
+    """Reject a non-positive ``start`` (shared by the policies that take one)."""
+    if start is not None:
+        positive_int("start", start, error=BatchSizeError)
+
+
+def _first_size(start: int | None, space: SearchSpace) -> int:
+    """The first size to try: ``start`` (or ``min_batch_size``) inside the bounds."""
+    return _clamp(start or space.min_batch_size, space.min_batch_size, space.upper)
+
+
+class SearchPolicy(ABC):
+    """Chooses the next batch size from the trials so far; ``None`` means stop.
+
+    A policy keeps no state between calls: ``next_size`` is a function of the
+    trials and the space alone, so a search can be replayed and tested.
+    """
+
+    name: ClassVar[str]
+    #: True when the policy stops only at the exact boundary (b fits, b + 1 does not).
+    exact: ClassVar[bool]
+
+    @abstractmethod
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        """The batch size to try next, or ``None`` when the search is over."""
+
+
+@dataclass(kw_only=True)
+class PowerPolicy(SearchPolicy):
+    """Double from ``start`` until a size does not fit; keep the last that did.
+
+    From 1: 1, 2, 4, 8, … — the answer is a power of two times ``start`` (or
+    ``max_batch_size``), so it can sit anywhere between 50% and 100% of the
+    true maximum. Like Lightning's ``mode="power"``. If ``start`` fails it
+    halves until a size fits (not below ``min_batch_size``).
+
+    Raises:
+        BatchSizeError: ``start`` is not positive.
+    """
+
+    name: ClassVar[str] = "power"
+    exact: ClassVar[bool] = False
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_start(self.start)
+
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        if not trials:
+            return _first_size(self.start, space)
+        last, (lo, hi) = trials[-1], bracket(trials)
+        if last.fits:
+            if hi is not None or last.batch_size == space.upper:
+                return None
+            return _clamp(last.batch_size * 2, space.min_batch_size, space.upper)
+        if lo is not None or last.batch_size <= space.min_batch_size:
+            return None
+        return max(last.batch_size // 2, space.min_batch_size)
+
+
+@dataclass(kw_only=True)
+class BinsearchPolicy(SearchPolicy):
+    """Double from ``start`` until a size fails, then bisect to the exact boundary.
+
+    From 1 with a true maximum of 37: 1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37.
+    Unlike Lightning's ``mode="binsearch"`` it does not stop early: it ends when
+    b fits and b + 1 does not. If ``start`` itself fails it bisects down towards
+    ``min_batch_size``.
+
+    Raises:
+        BatchSizeError: ``start`` is not positive.
+    """
+
+    name: ClassVar[str] = "binsearch"
+    exact: ClassVar[bool] = True
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_start(self.start)
+
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        if not trials:
+            return _first_size(self.start, space)
+        lo, hi = bracket(trials)
+        if hi is None:  # still growing
+            if lo == space.upper:
+                return None
+            return _clamp(lo * 2, space.min_batch_size, space.upper)
+        floor = space.min_batch_size - 1 if lo is None else lo
+        if hi - floor <= 1:
+            return None
+        return (floor + hi + 1) // 2
+
+
+@dataclass(kw_only=True)
+class DecayPolicy(SearchPolicy):
+    """Start at ``start`` and step down timm's :func:`decay_batch_step` schedule until one fits.
+
+    From 256: 256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1. It never
+    grows, so the answer is at most ``start``; a step below ``min_batch_size``
+    tries ``min_batch_size`` instead.
+
+    Raises:
+        BatchSizeError: ``start`` or ``num_intra_steps`` is not positive.
+    """
+
+    name: ClassVar[str] = "decay"
+    exact: ClassVar[bool] = False
+    start: int = 256
+    num_intra_steps: int = 2
+    no_odd: bool = False
+
+    def __post_init__(self) -> None:
+        positive_int("start", self.start, error=BatchSizeError)
+        positive_int("num_intra_steps", self.num_intra_steps, error=BatchSizeError)
+
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        if not trials:
+            return _clamp(self.start, space.min_batch_size, space.upper)
+        last = trials[-1]
+        if last.fits:
+            return None
+        if last.batch_size <= space.min_batch_size:
+            return None
+        return max(decay_batch_step(last.batch_size, self.num_intra_steps, self.no_odd), space.min_batch_size)
+
+
+@dataclass(kw_only=True)
+class PredictPolicy(SearchPolicy):
+    """Fit ``peak = fixed + per_sample × b`` to a few trials, jump to the answer, verify.
+
+    The sequence:
+
+    1. ``min_batch_size``, or ``first_guess`` when given (e.g. by the planner).
+    2. A proportional guess from that one trial: all the bytes it added,
+       ``peak - start``, are taken as per-sample, so
+       ``b × (limit - start) / (peak - start)`` overestimates the cost of a
+       sample and lands at or below the boundary (for an exact
+       ``first_guess`` that is ``first_guess + 1``, its check).
+    3. The line through the two measured trials nearest the boundary —
+       interpolation between the last fit and the first failure when there is
+       one, extrapolation from the two largest fits otherwise — gives the
+       largest b under the limit, which is tried.
+    4. It stops when the largest fitting b is *certified*: b + 1 failed, or
+       three measured trials, b among them, lie exactly on one line that is
+       over the limit at b + 1. Memory that is linear, convex (a kink where
+       activations overtake the optimizer step) or linear with upward steps
+       lies on or above such a line at b + 1, so the answer is exact without
+       running b + 1; otherwise b + 1 is run.
+
+    Guards against overshooting (the *ceiling*, the *flat start*, the midpoint after slow
+    progress) keep the worst case logarithmic; they and the trials each shape of memory
+    takes are in ``docs/internals.md#search``.
+
+    Attributes:
+        first_guess: a size to try first (e.g. from the planner).
+        tolerance_bytes: how far off a line three peaks may be and still count
+            as collinear, and the margin by which the line must exceed the
+            limit at b + 1. 0 (exact) suits the CPU tracker; allocator
+            rounding on accelerators makes exact collinearity rare, which
+            only costs the b + 1 trial.
+        rel_tolerance: stop once the largest fit is within this fraction of the
+            boundary: bracketed that closely, or the line through the two largest
+            fits puts the boundary there. 0 asks for the exact boundary. Real
+            memory (a process's resident set, a GPU's reserved memory) moves by
+            more than a sample between runs, so chasing the exact boundary there
+            only buys OOMs; the finder uses 0.02 on it.
+
+    Raises:
+        BatchSizeError: ``first_guess`` not positive or ``tolerance_bytes`` negative.
+    """
+
+    name: ClassVar[str] = "predict"
+    exact: ClassVar[bool] = True
+    first_guess: int | None = None
+    tolerance_bytes: int = 0
+    rel_tolerance: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.first_guess is not None:
+            positive_int("first_guess", self.first_guess, error=BatchSizeError)
+        if self.tolerance_bytes < 0:
+            raise BatchSizeError(f"tolerance_bytes must be non-negative, got {self.tolerance_bytes}")
+        if not 0 <= self.rel_tolerance < 0.5:
+            raise BatchSizeError(f"rel_tolerance must be in [0, 0.5), got {self.rel_tolerance}")
+
+    # -- the policy -------------------------------------------------------
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        lo_b, up = space.min_batch_size, space.upper
+        if not trials:
+            return _first_size(self.first_guess, space)
+        lo, hi = bracket(trials)
+        if hi is not None and hi <= lo_b:
+            return None  # nothing fits
+        upper = hi - 1 if hi is not None else up  # largest size still possibly fitting
+        if lo is not None and (lo == upper or self.certified(lo, trials, space)):
+            return None
+        if lo is not None and self.rel_tolerance and self._close_enough(lo, hi, trials, space):
+            return None
+        floor = lo if lo is not None else lo_b - 1
+        if _slow_progress(trials, count=2):
+            return _midpoint(floor, upper, lo_b)
+        guess = self._estimate(trials, space, lo, hi)
+        if guess is None:
+            return _midpoint(floor, upper, lo_b)
+        if self.rel_tolerance and lo is not None:
+            # aim a little under the line's answer: a line off by less than half the tolerance
+            # then lands on a fit that is close enough, where aiming at it would fail half the time
+            guess -= int(guess * self.rel_tolerance / 2)
+        return _clamp(guess, floor + 1, upper)
+
+    def _close_enough(self, lo: int, hi: int | None, trials: Sequence[Trial], space: SearchSpace) -> bool:
+        """With ``rel_tolerance``: ``lo`` is within it of the boundary (bracketed, or by the line)."""
+        slack = max(1, int(lo * self.rel_tolerance))
+        if hi is not None and hi - lo <= slack:
+            return True
+        pts = _points(trials)
+        if lo not in pts:
+            return False
+        if hi is not None and hi in pts:
+            boundary = _solve(lo, pts[lo], hi, pts[hi], space.limit_bytes)
+        elif hi is None:
+            goods = sorted(b for b in pts if b <= lo and pts[b] <= space.limit_bytes)
+            boundary = _solve(goods[-2], pts[goods[-2]], lo, pts[lo], space.limit_bytes) if len(goods) >= 2 else None
+        else:  # an OOM above: only the bracket can tell
+            return False
+        return boundary is not None and boundary <= lo + slack
+
+    def certified(self, b: int, trials: Sequence[Trial], space: SearchSpace) -> bool:
+        """True when three collinear measured trials, ``b`` among them, put ``b + 1`` over the limit."""
+        pts = _points(trials)
+        if b not in pts:
+            return False
+        others = [x for x in pts if x != b]
+        tol, limit, pb = self.tolerance_bytes, space.limit_bytes, pts[b]
+        for i, x in enumerate(others):
+            for y in others[i + 1:]:
+                dx = y - x
+                dp = pts[y] - pts[x]
+                # |line(b) - peak(b)| * |dx| <= tol * |dx|, in integers
+                off = (pts[x] - pb) * dx + dp * (b - x)
+                if abs(off) > tol * abs(dx):
+                    continue
+                # line(b + 1) - limit > tol, using line(b) = peak(b) up to tol
+                if dx > 0 and (pb - limit - tol) * dx + dp > 0:
+                    return True
+                if dx < 0 and (pb - limit - tol) * dx + dp < 0:
+                    return True
+        return False
+
+    def _estimate(self, trials: Sequence[Trial], space: SearchSpace, lo: int | None, hi: int | None) -> int | None:
+        pts = _points(trials)
+        limit, cap = space.limit_bytes, space.capacity_bytes
+        by_size = {t.batch_size: t for t in trials}
+        if lo is None:
+            # nothing fits yet: scale the smallest failure down, at least halving after an OOM,
+            # or follow the line through the two smallest measured failures
+            guesses = [_proportional(by_size[hi], limit, cap)]
+            if hi not in pts:
+                guesses.append(hi // 2)
+            measured = sorted(pts)
+            if len(measured) >= 2:
+                guesses.append(_solve(measured[0], pts[measured[0]], measured[1], pts[measured[1]], limit))
+            guesses = [g for g in guesses if g is not None]
+            return min(guesses) if guesses else None
+        goods = sorted(b for b in pts if b <= lo and pts[b] <= limit)
+        extrap = _solve(goods[-2], pts[goods[-2]], lo, pts[lo], limit) if len(goods) >= 2 else None
+        if hi is not None and hi in pts:  # interpolate between the last fit and the first failure
+            return _solve(lo, pts[lo], hi, pts[hi], limit)
+        if hi is not None:
+            # an OOM means the line was wrong by more than the headroom: take at most
+            # the midpoint, or less where the failure counted at the capacity says so; and
+            # no more than the ceiling, so after a flat-start jump's OOM the search climbs
+            # as it would have without the jump instead of risking a second OOM
+            failed_at = max(cap, by_size[hi].peak_bytes or 0)  # a refused trial's prediction, an OOM's bound
+            guesses = [(lo + hi) // 2, _solve(lo, pts[lo], hi, failed_at, limit), extrap,
+                       self._ceiling(by_size[lo], cap)]
+            return min(g for g in guesses if g is not None)
+        if len(goods) < 2:
+            return _proportional(by_size[lo], limit, cap)
+        # a steeper line may still overtake (activations outgrowing the optimizer step), but
+        # none steeper than the proportional slope: where that one reaches the capacity (or
+        # twice the size, when that is farther) is as far as no OOM is certain
+        ceiling = self._ceiling(by_size[lo], cap)
+        if extrap is None:
+            return ceiling
+        if extrap <= _FLAT * ceiling:
+            return min(extrap, ceiling)
+        # a flat start: the boundary lies between the ceiling and the line's answer (memory is
+        # convex, so the line's answer is an upper bound), and that far apart the two fits sit
+        # where the optimizer step outweighs the activations. The ceiling would land on the
+        # transition, where no two trials share a line; the geometric mean of the two lands
+        # past it in one jump, at the risk of one OOM, and halves the bracket's log-ratio
+        return math.isqrt(ceiling * extrap)
+
+    @staticmethod
+    def _ceiling(t: Trial, cap: int) -> int:
+        """Where the proportional slope through fit ``t`` reaches the capacity, or ``2 × b`` if farther."""
+        return max(_proportional(t, cap, cap) or 0, 2 * t.batch_size)
+
+
+#: A line whose answer is this many times the proportional ceiling marks a flat start:
+#: its slope is under 1/16 of the proportional one, the peak barely grew with the batch.
+_FLAT = 16
+
+
+def _solve(x0: int, p0: int, x1: int, p1: int, limit: int) -> int | None:
+    """Largest integer b with line(b) <= limit for the line through (x0, p0), (x1, p1); None if flat."""
+    dp, dx = p1 - p0, x1 - x0
+    if dx == 0 or dp * dx <= 0:  # not increasing: the line never reaches the limit
+        return None
+    if dx < 0:
+        dp, dx = -dp, -dx
+    return x0 + ((limit - p0) * dx) // dp
+
+
+def _proportional(t: Trial, limit: int, cap: int) -> int | None:
+    """Scale one trial's added bytes (all taken as per-sample) up or down to ``limit``."""
+    start = t.start_bytes or 0
+    peak = t.peak_bytes if t.measured else max(cap, t.peak_bytes or 0)
+    if peak is None or peak <= start or limit <= start:
+        return None
+    return (t.batch_size * (limit - start)) // (peak - start)
+
+
+def _midpoint(floor: int, upper: int | None, lo_b: int) -> int:
+    if upper is None:
+        return max(2 * floor, lo_b)
+    return max((floor + upper + 1) // 2, lo_b)
+
+
+def _slow_progress(trials: Sequence[Trial], count: int) -> bool:
+    """True when each of the last ``count`` trials, run inside a bracket, left more than half of it."""
+    if len(trials) <= count:
+        return False
+    for k in range(len(trials) - count, len(trials)):
+        lo0, hi0 = bracket(trials[:k])
+        if hi0 is None:
+            return False
+        lo1, hi1 = bracket(trials[: k + 1])
+        f0 = lo0 if lo0 is not None else 0
+        f1 = lo1 if lo1 is not None else 0
+        # halving the bracket is progress, and so is doubling its floor: fits that climb
+        # geometrically towards a distant failure (an OOM far past a flat start) reach it
+        # in logarithmically many steps without a midpoint that would OOM again
+        if 2 * (hi1 - f1) <= hi0 - f0 or (f0 > 0 and f1 >= 2 * f0):
+            return False
+    return True
+
+
+STRATEGIES: dict[str, type[SearchPolicy]] = {
+    p.name: p for p in (PredictPolicy, PowerPolicy, BinsearchPolicy, DecayPolicy)
+}
+
+
+def make_policy(strategy: str | SearchPolicy, *, first_guess: int | None = None,
+                max_batch_size: int | None = None, tolerance: float = 0.0) -> SearchPolicy:
+    """Build a policy by name, seeding its first size.
+
+    ``first_guess`` becomes predict's ``first_guess`` and the ``start`` of
+    power, binsearch and decay. Decay without one starts at ``max_batch_size``,
+    else at 256. ``tolerance`` is predict's ``rel_tolerance``. A policy instance
+    is returned unchanged.
+
+    Raises:
+        BatchSizeError: unknown strategy name (the message lists the known ones).
+    """
+    if isinstance(strategy, SearchPolicy):
+        return strategy
+    if strategy not in STRATEGIES:
+        raise BatchSizeError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy == PredictPolicy.name:
+        return PredictPolicy(first_guess=first_guess, rel_tolerance=tolerance)
+    if strategy == DecayPolicy.name:
+        return DecayPolicy(start=first_guess or max_batch_size or 256)
+    return STRATEGIES[strategy](start=first_guess)
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    """What :func:`run_search` found.
+
+    Attributes:
+        batch_size: the largest size that fitted below the smallest failing one,
+            or ``None`` when none fitted.
+        trials: every trial, in order.
+        stop_reason: ``"boundary"`` (b fits and b + 1 is known not to),
+            ``"tolerance"`` (b is within the policy's relative tolerance of the boundary),
+            ``"max_batch_size"``, ``"strategy"`` (an inexact policy stopped),
+            ``"max_trials"`` or ``"nothing_fits"``.
+        space: the space at the end (a ``revise`` hook may have lowered its capacity).
+    """
+
+    batch_size: int | None
+    trials: list[Trial]
+    stop_reason: str
+    space: SearchSpace | None = None
+
+
+def reclassify(trials: list[Trial], limit_bytes: int) -> None:
+    """Re-judge measured trials against a new limit (fit / over the target), in place."""
+    for t in trials:
+        if t.measured:
+            t.outcome = FIT if t.peak_bytes <= limit_bytes else OVER_TARGET
+
+
+def run_search(
+    policy: SearchPolicy,
+    space: SearchSpace,
+    run_trial: Callable[[int], Trial],
+    *,
+    max_trials: int = 25,
+    on_trial: Callable[[Trial], None] | None = None,
+    revise: Callable[[SearchSpace, Trial], SearchSpace | None] | None = None,
+) -> SearchResult:
+    """Ask ``policy`` for sizes and run them with ``run_trial`` until it stops.
+
+    Args:
+        policy: the search policy.
+        space: the limit, capacity and size bounds.
+        run_trial: measures one batch size and returns its :class:`Trial`.
+        max_trials: stop after this many trials even if the policy would go on.
+        on_trial: called with each trial as it completes (logging, progress).
+        revise: called after each trial; a space it returns replaces the current one (an OOM
+            that shows the real capacity is lower than assumed), and the measured trials are
+            re-judged against its limit.
+
+    Raises:
+        BatchSizeError: ``max_trials`` is not positive, or the policy asked for
+            a size outside the bounds or one it already tried.
+    """
+    positive_int("max_trials", max_trials, error=BatchSizeError)
+    trials: list[Trial] = []
+    stopped = False
+    while len(trials) < max_trials:
+        b = policy.next_size(trials, space)
+        if b is None:
+            stopped = True
+            break
+        if b < space.min_batch_size or (space.upper is not None and b > space.upper):
+            raise BatchSizeError(f"policy {policy.name} asked for batch size {b} outside the bounds {space}")
+        if any(t.batch_size == b for t in trials):
+            raise BatchSizeError(f"policy {policy.name} asked for batch size {b} twice")
+        trial = run_trial(b)
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+        if revise is not None:
+            revised = revise(space, trial)
+            if revised is not None and revised != space:
+                space = revised
+                reclassify(trials, space.limit_bytes)
+    if not stopped and policy.next_size(trials, space) is None:
+        stopped = True
+    best, hi = bracket(trials)
+    if best is None:
+        reason = "nothing_fits" if stopped else "max_trials"
+    elif not stopped:
+        reason = "max_trials"
+    elif best == space.upper:
+        reason = "max_batch_size"
+    elif not policy.exact:
+        reason = "strategy"
+    elif getattr(policy, "rel_tolerance", 0) and hi != best + 1:
+        reason = "tolerance"
+    else:
+        reason = "boundary"
+    return SearchResult(batch_size=best, trials=trials, stop_reason=reason, space=space)

@@ -1,0 +1,497 @@
+"""Speed: a step-time model and the choices made on it, all torch-free.
+
+A timed trial is a batch size and the seconds one step takes there. :func:`fit_time` fits
+``T(b) = fixed + per_sample × b``; :func:`choose_fastest` applies the throughput objective (the
+smallest batch whose samples/s is within a tolerance of the best); :class:`ThroughputSearch`
+names the next batch size to time; :func:`choose_split` splits a per-rank batch into
+micro-batches by the predicted time of the whole step. Why and how: ``docs/internals.md#speed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from .._checks import positive_int
+from .microbatch import accum_steps, balanced_sizes
+
+__all__ = [
+    "OBJECTIVES",
+    "SPEED_TOLERANCE",
+    "check_objective",
+    "check_speed_tolerance",
+    "monotone_times",
+    "TimeFit",
+    "fit_time",
+    "TimeCurve",
+    "SpeedChoice",
+    "choose_fastest",
+    "ThroughputSearch",
+    "timed_fits",
+    "decisive_sizes",
+    "search_throughput",
+    "SplitChoice",
+    "split_seconds",
+    "choose_split",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``"memory"``: the largest batch that fits; ``"throughput"``: the smallest that is about as fast.
+OBJECTIVES = ("memory", "throughput")
+#: DeepSpeed's autotuner stops growing the micro-batch once throughput gains less than 5%.
+SPEED_TOLERANCE = 0.05
+
+
+def check_objective(objective: Any, *, error: type[Exception] = ValueError) -> str:
+    """``objective`` if it is one of :data:`OBJECTIVES`.
+
+    Raises:
+        ValueError (or ``error``): any other value; the message lists the choices.
+    """
+    if objective not in OBJECTIVES:
+        raise error(f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}: "
+                    "'memory' for the largest batch that fits, 'throughput' for the smallest about as fast")
+    return objective
+
+
+def check_speed_tolerance(value: Any, *, error: type[Exception] = ValueError) -> float:
+    """``value`` as a float in [0, 0.5): the share of the best samples/s one may give up.
+
+    Raises:
+        ValueError (or ``error``): not a number in that range.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 0.5:
+        raise error(f"speed_tolerance must be a fraction in [0, 0.5), got {value!r}; 0.05 gives up at most 5% "
+                    "of the best samples/s for a smaller batch")
+    return float(value)
+
+
+def monotone_times(points: Mapping[int, float]) -> dict[int, float]:
+    """Step times made non-decreasing in the batch size, by the faster larger batches.
+
+    A step on more samples does not take less time, and load from other processes only ever
+    adds time: a size measured slower than a larger one was slowed down, and the larger one's
+    time bounds it. ``{8: 0.1, 16: 0.3, 32: 0.2}`` becomes ``{8: 0.1, 16: 0.2, 32: 0.2}``.
+    Non-positive times are dropped.
+    """
+    out: dict[int, float] = {}
+    bound = math.inf
+    for b in sorted(points, reverse=True):
+        t = float(points[b])
+        if t > 0:
+            bound = min(bound, t)
+            out[int(b)] = bound
+    return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeFit:
+    """``seconds per step ≈ fixed_seconds + seconds_per_sample × batch_size``.
+
+    ``fixed_seconds`` is what a step costs whatever its size (kernel launches, the optimizer
+    step, Python); ``seconds_per_sample`` the rest. Samples/s then saturate at
+    ``1 / seconds_per_sample``.
+    """
+
+    fixed_seconds: float
+    seconds_per_sample: float
+
+    def predict(self, batch_size: int) -> float:
+        return self.fixed_seconds + self.seconds_per_sample * batch_size
+
+    def samples_per_second(self, batch_size: int) -> float:
+        t = self.predict(batch_size)
+        return batch_size / t if t > 0 else math.inf
+
+    def knee(self, samples_per_second: float) -> float | None:
+        """The smallest batch size this line gives ``samples_per_second`` at; ``None`` if it never does.
+
+        ``b / (fixed + per_sample × b) >= s`` holds from ``b = s × fixed / (1 - s × per_sample)``.
+        """
+        room = 1.0 - samples_per_second * self.seconds_per_sample
+        if room <= 0:
+            return None
+        return samples_per_second * self.fixed_seconds / room
+
+
+def fit_time(points: Mapping[int, float]) -> TimeFit | None:
+    """The line ``fixed + per_sample × b`` through ``{batch size: seconds}``; ``None`` for fewer than two sizes.
+
+    Least squares on the *relative* error (step times span orders of magnitude, and a
+    millisecond matters at batch 1, not at batch 4096) of :func:`monotone_times`, with both
+    coefficients kept at or above zero: a negative fixed cost becomes 0 (time proportional to the batch), a
+    negative slope 0 (the step is fixed cost only).
+
+    Example: ``fit_time({1: 0.011, 10: 0.02, 100: 0.11})`` is ``0.01 + 0.001 × b``.
+    """
+    pts = [(float(b), t) for b, t in monotone_times(points).items()]
+    if len(pts) < 2:
+        return None
+    w = [1.0 / (t * t) for _, t in pts]
+    s0 = sum(w)
+    s1 = sum(wi * b for wi, (b, _) in zip(w, pts))
+    s2 = sum(wi * b * b for wi, (b, _) in zip(w, pts))
+    t0 = sum(wi * t for wi, (_, t) in zip(w, pts))
+    t1 = sum(wi * b * t for wi, (b, t) in zip(w, pts))
+    det = s0 * s2 - s1 * s1
+    slope = (s0 * t1 - s1 * t0) / det
+    fixed = (t0 - slope * s1) / s0
+    if fixed < 0:
+        fixed, slope = 0.0, t1 / s2
+    if slope < 0:
+        fixed, slope = t0 / s0, 0.0
+    return TimeFit(fixed_seconds=fixed, seconds_per_sample=slope)
+
+
+class TimeCurve:
+    """Step seconds at any batch size, from measured ``{batch size: seconds}``.
+
+    Between measured sizes (:func:`monotone_times`): the straight line between their times (a
+    curve that bends, e.g. one whose samples/s fall at large batches, is followed where it was
+    measured). Outside them: the slope of :func:`fit_time` from the nearest measured point.
+    Sizes less than ``spacing`` apart (as a ratio) are one point, the faster per sample: the
+    difference between two nearly equal sizes is noise, and a line through them would turn it
+    into a slope.
+
+    Raises:
+        ValueError: fewer than two measured sizes, ``spacing`` below 1.
+    """
+
+    def __init__(self, points: Mapping[int, float], *, spacing: float = 1.125) -> None:
+        if not spacing >= 1:
+            raise ValueError(f"spacing must be at least 1, got {spacing!r}")
+        kept: dict[int, float] = {}
+        for b, t in monotone_times(points).items():
+            last = max(kept) if kept else None
+            if last is not None and b < spacing * last:
+                if t / b < kept[last] / last:
+                    del kept[last]
+                    kept[b] = t
+                continue
+            kept[b] = t
+        self.points = kept
+        fit = fit_time(self.points)
+        if fit is None:
+            raise ValueError(f"a time curve needs two measured batch sizes or more, got {sorted(self.points)}")
+        self.fit = fit
+        self.sizes = list(self.points)
+
+    @property
+    def smallest(self) -> int:
+        return self.sizes[0]
+
+    def __call__(self, batch_size: int) -> float:
+        pts, sizes = self.points, self.sizes
+        if batch_size in pts:
+            return pts[batch_size]
+        if batch_size < sizes[0]:
+            return max(0.0, pts[sizes[0]] - self.fit.seconds_per_sample * (sizes[0] - batch_size))
+        if batch_size > sizes[-1]:
+            return pts[sizes[-1]] + self.fit.seconds_per_sample * (batch_size - sizes[-1])
+        hi = next(b for b in sizes if b > batch_size)
+        lo = sizes[sizes.index(hi) - 1]
+        return pts[lo] + (pts[hi] - pts[lo]) * (batch_size - lo) / (hi - lo)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeedChoice:
+    """What :func:`choose_fastest` picked, and against what."""
+
+    batch_size: int
+    samples_per_second: float
+    best_batch_size: int
+    best_samples_per_second: float
+    tolerance: float
+
+    @property
+    def reason(self) -> str:
+        if self.batch_size == self.best_batch_size:
+            return f"fastest measured: {self.samples_per_second:,.0f} samples/s at batch {self.batch_size}"
+        return (f"smallest within {self.tolerance:.0%} of the fastest: {self.samples_per_second:,.0f} samples/s "
+                f"at batch {self.batch_size}, {self.best_samples_per_second:,.0f} at {self.best_batch_size}")
+
+
+def choose_fastest(points: Mapping[int, float], tolerance: float = SPEED_TOLERANCE) -> SpeedChoice | None:
+    """The smallest batch whose samples/s is within ``tolerance`` of the best of ``points``.
+
+    ``points`` maps batch sizes (all of which fit) to seconds per step, read through
+    :func:`monotone_times`; ``None`` when empty.
+    On a curve that saturates this is its knee; on one that falls at large batches, a size at
+    or below the peak. Example, seconds ``{8: 0.1, 16: 0.12, 32: 0.2, 64: 0.39}`` (80, 133,
+    160, 164 samples/s) and 5%: 32 (within 5% of 164), not 64.
+    """
+    sps = {b: b / t for b, t in monotone_times(points).items()}
+    if not sps:
+        return None
+    best = max(sps, key=lambda b: (sps[b], -b))
+    floor = (1.0 - tolerance) * sps[best]
+    chosen = min(b for b, s in sps.items() if s >= floor)
+    return SpeedChoice(batch_size=chosen, samples_per_second=sps[chosen], best_batch_size=best,
+                       best_samples_per_second=sps[best], tolerance=tolerance)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThroughputSearch:
+    """Which batch size to time next, so that :func:`choose_fastest` lands on the knee or the peak.
+
+    It starts where the memory search ended (its timed trials, the largest fitting size
+    ``highest`` among them) and probes sizes below ``highest`` only:
+
+    1. **The peak.** Once a larger size measured slower than the fastest one (the curve
+       falls), a measured neighbour of the fastest size that is more than ``ladder`` times
+       larger or smaller, and slower by more than half the ``tolerance``, has the geometric
+       mean of the two timed: the peak may lie in between.
+    2. **The knee.** The answer ``a`` (smallest size within ``tolerance`` of the best) is
+       bracketed from below by the largest measured size under it, ``L`` (too slow). While
+       ``a - L`` is more than ``resolution × a``, a size inside is timed: where the fitted
+       line ``T(b) = α + β b`` reaches the tolerance (if that lies inside the bracket and
+       not within ``resolution`` of ``a``; ``a × (1 - resolution)`` when it does, which
+       certifies ``a``), else the geometric mean of ``L`` and ``a``.
+
+    Example, ``T(b) = 0.05 + 0.001 b`` after a memory search timed 1, 14 and 2841 (982.7
+    samples/s at 2841): 703 (where the line reaches 95% of that; it does), 616 (certifying
+    703: too slow) — the answer 703, in 2 more trials (``tests/test_speed.py``).
+
+    Raises:
+        ValueError: ``tolerance`` outside [0, 0.5), ``resolution`` outside (0, 0.5) or
+            ``ladder`` not above 1.
+    """
+
+    tolerance: float = SPEED_TOLERANCE
+    resolution: float = 0.125
+    ladder: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_speed_tolerance(self.tolerance)
+        if not 0 < self.resolution < 0.5:
+            raise ValueError(f"resolution must be in (0, 0.5), got {self.resolution!r}")
+        if not self.ladder > 1:
+            raise ValueError(f"ladder must be above 1, got {self.ladder!r}")
+
+    def next_size(self, points: Mapping[int, float], *, lowest: int, highest: int) -> int | None:
+        """The next batch size to time in ``[lowest, highest]``, or ``None`` when the choice is made.
+
+        Args:
+            points: ``{batch size: seconds per step}`` of the timed trials that fit.
+            lowest: the smallest size allowed (``min_batch_size``).
+            highest: the largest size that fits (the memory search's answer).
+        """
+        pts = {b: t for b, t in points.items() if lowest <= b <= highest and t > 0}
+        choice = choose_fastest(pts, self.tolerance)
+        if choice is None:
+            return None
+        sizes = sorted(pts)
+        probe = self._peak_gap(monotone_times(pts), choice)
+        if probe is None:
+            probe = self._knee(pts, sizes, choice, lowest)
+        if probe is None or probe in pts:
+            return None
+        return probe
+
+    def _peak_gap(self, times: Mapping[int, float], choice: SpeedChoice) -> int | None:
+        sizes, best = list(times), choice.best_batch_size
+        if best == sizes[-1]:
+            return None  # no sign of a fall: the knee search below covers the rest
+        i = sizes.index(best)
+        # a neighbour about as fast says the curve is flat in between: no peak to look for there
+        slow = (1.0 - self.tolerance / 2) * choice.best_samples_per_second
+        gaps = []
+        for other in sizes[i + 1:i + 2] + sizes[max(0, i - 1):i]:  # the neighbours above and below
+            if other / times[other] < slow:
+                lo, hi = min(best, other), max(best, other)
+                gaps.append((hi / lo, lo, hi))
+        for ratio, lo, hi in sorted(gaps, reverse=True):
+            mid = math.isqrt(lo * hi)
+            if ratio > self.ladder and lo < mid < hi:
+                return mid
+        return None
+
+    def _knee(self, pts: Mapping[int, float], sizes: list[int], choice: SpeedChoice, lowest: int) -> int | None:
+        a = choice.batch_size
+        below = [b for b in sizes if b < a]
+        low = below[-1] if below else lowest - 1  # every measured size under a is too slow
+        if a - low <= max(1.0, self.resolution * a):
+            return None
+        fit = fit_time(pts)
+        knee = None if fit is None else fit.knee((1.0 - self.tolerance) * choice.best_samples_per_second)
+        if knee is not None and low < knee < a:
+            guess = math.ceil(knee)
+            if guess >= a * (1 - self.resolution):
+                guess = math.ceil(a * (1 - self.resolution))  # the line agrees with a: certify it
+        else:
+            guess = math.isqrt(max(low, lowest) * a) if low >= 1 else (lowest + a) // 2
+        return min(max(guess, low + 1), a - 1)
+
+
+def timed_fits(trials: Iterable[Any], upto: int | None = None) -> dict[int, float]:
+    """``{batch size: seconds per step}`` of the trials (:class:`~batchpilot.policy.search.Trial`) that fitted and were timed.
+
+    ``upto``: only sizes at most this.
+    """
+    return {t.batch_size: t.step_seconds for t in trials
+            if t.fits and t.step_seconds and (upto is None or t.batch_size <= upto)}
+
+
+def decisive_sizes(points: Mapping[int, float], tolerance: float = SPEED_TOLERANCE) -> list[int]:
+    """The sizes the throughput choice rests on: the answer, the size under it, the fastest and the largest.
+
+    Measured at different times on a shared machine, their times carry different noise; timing
+    them again, in turn, is what makes the comparison fair (:func:`search_throughput`). The
+    largest (the memory answer) is among them because a slow first measurement there reads
+    as a curve that falls, and sends the search after a peak that is not there.
+    """
+    choice = choose_fastest(points, tolerance)
+    if choice is None:
+        return []
+    below = [b for b in points if b < choice.batch_size]
+    return sorted({choice.batch_size, choice.best_batch_size, max(points), *([max(below)] if below else [])})
+
+
+def search_throughput(
+    trials: list[Any], run_trial: Callable[[int], Any], *, lowest: int, highest: int,
+    tolerance: float = SPEED_TOLERANCE, max_trials: int = 25, on_trial: Callable[[Any], None] | None = None,
+    retime: Callable[[int], float | None] | None = None, rounds: int = 3,
+) -> None:
+    """Time the sizes :class:`ThroughputSearch` asks for below ``highest``, appending each trial to ``trials``.
+
+    ``trials`` are the memory search's (``highest`` the largest that fitted); ``run_trial`` runs
+    one more and returns its :class:`batchpilot.policy.search.Trial`. When the search is done, and
+    ``retime`` is given (the fastest of a fresh visit's timed steps at a size, or ``None``),
+    the :func:`decisive_sizes` are visited ``rounds`` more times, in turn, and each trial's
+    ``step_seconds`` becomes the median over its visits; if that changes the choice, the
+    search goes on from there (three times at most). Stops early when ``trials`` holds
+    ``max_trials`` (logged: the answer may then be larger than the knee).
+    """
+    search = ThroughputSearch(tolerance=tolerance)
+    for _ in range(3):
+        while (b := search.next_size(timed_fits(trials), lowest=lowest, highest=highest)) is not None:
+            if any(t.batch_size == b for t in trials):  # tried, but not timed (e.g. over the target)
+                break
+            if len(trials) >= max_trials:
+                logger.warning("the throughput search stopped at max_trials=%d; raise it for a closer answer",
+                               max_trials)
+                return
+            trial = run_trial(b)
+            trials.append(trial)
+            if on_trial is not None:
+                on_trial(trial)
+        points = timed_fits(trials, upto=highest)
+        before = choose_fastest(points, tolerance)
+        if retime is None or before is None:
+            return
+        sizes = decisive_sizes(points, tolerance)
+        by_size = {t.batch_size: t for t in trials if t.fits and t.step_seconds}
+        seen = {b: [by_size[b].step_seconds] for b in sizes}
+        for r in range(rounds):
+            for b in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
+                seconds = retime(b)
+                if seconds is not None:
+                    seen[b].append(seconds)
+        for b in sizes:
+            # each visit's fastest step, then the median over visits: a size timed in a quiet
+            # moment is not favoured over one timed under load
+            by_size[b].step_seconds = statistics.median(seen[b])
+        after = choose_fastest(timed_fits(trials, upto=highest), tolerance)
+        if after is None or (after.batch_size, after.best_batch_size) == (before.batch_size, before.best_batch_size):
+            return
+
+
+def split_seconds(total: int, parts: int, step_time: Callable[[int], float]) -> float:
+    """Predicted seconds of ``total`` samples in ``parts`` balanced micro-batches (sizes differ by at most 1).
+
+    Raises:
+        ValueError: ``parts`` is not in ``[1, total]``.
+    """
+    if not 1 <= parts <= total:
+        raise ValueError(f"{total} samples cannot be split into {parts} micro-batches")
+    q, r = divmod(total, parts)
+    return r * step_time(q + 1) + (parts - r) * step_time(q)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitChoice:
+    """How :func:`choose_split` splits a per-rank batch, and why.
+
+    Attributes:
+        total: samples in the per-rank batch.
+        largest_fitting: the largest micro-batch that fits (the memory bound).
+        micro_batch_size: the largest micro-batch of the split.
+        accum_steps: micro-batches per step.
+        seconds: predicted seconds of the forward and backward passes of the whole step,
+            or ``None`` without timing.
+        fewest_seconds: the same for the split with the fewest micro-batches.
+        reason: one line that says why.
+    """
+
+    total: int
+    largest_fitting: int
+    micro_batch_size: int
+    accum_steps: int
+    seconds: float | None
+    fewest_seconds: float | None
+    reason: str
+
+    @property
+    def sizes(self) -> list[int]:
+        return balanced_sizes(self.total, self.accum_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "accum_steps": self.accum_steps,
+                "largest_fitting": self.largest_fitting, "predicted_seconds": self.seconds,
+                "fewest_seconds": self.fewest_seconds, "reason": self.reason}
+
+
+def choose_split(
+    total: int, largest_fitting: int, *, step_time: Callable[[int], float] | None = None,
+    smallest: int = 1, margin: float = SPEED_TOLERANCE,
+) -> SplitChoice:
+    """Split ``total`` samples into micro-batches of at most ``largest_fitting``, by predicted step time.
+
+    Fewest micro-batches first, then the smallest equal sizes that achieve it: 256 with at most
+    200 per micro-batch is 128 + 128 (the same two passes as 200 + 56, a smaller peak, no
+    ragged tail). With ``step_time`` (seconds of one micro-batch's forward and backward at a
+    size, e.g. a :class:`TimeCurve`), more and smaller micro-batches (down to ``smallest``,
+    the smallest size measured) are chosen only when predicted faster by more than
+    ``margin``: on a linear ``T(b) = α + β b`` the whole step costs ``k α + β total`` and the
+    fewest micro-batches always win; on a curve whose samples/s fall at large sizes they do not.
+
+    Raises:
+        ValueError: ``total`` or ``largest_fitting`` is not a positive int, or ``margin`` is
+            outside [0, 0.5).
+    """
+    positive_int("total", total)
+    positive_int("largest_fitting", largest_fitting)
+    check_speed_tolerance(margin)
+    fit = min(largest_fitting, total)
+    k0 = accum_steps(total, fit)
+    m0 = -(-total // k0)
+    head = f"fewest micro-batches of at most {fit}, balanced"
+    if step_time is None:
+        return SplitChoice(total=total, largest_fitting=fit, micro_batch_size=m0, accum_steps=k0, seconds=None,
+                           fewest_seconds=None, reason=f"{head} (not timed)")
+    base = split_seconds(total, k0, step_time)
+    best_k, best = k0, base
+    k = k0
+    while k <= total:
+        micro = -(-total // k)
+        if micro < smallest:
+            break
+        t = split_seconds(total, k, step_time)
+        if t < best:
+            best_k, best = k, t
+        if micro == 1:
+            break
+        k = -(-total // (micro - 1))  # the next count whose micro-batch is smaller
+    if best_k != k0 and best < (1 - margin) * base:
+        micro = -(-total // best_k)
+        return SplitChoice(total=total, largest_fitting=fit, micro_batch_size=micro, accum_steps=best_k,
+                           seconds=best, fewest_seconds=base,
+                           reason=f"measured faster: {best_k} micro-batches predicted {best:.3g} s, the fewest "
+                                  f"({k0} of at most {fit}) {base:.3g} s")
+    return SplitChoice(total=total, largest_fitting=fit, micro_batch_size=m0, accum_steps=k0, seconds=base,
+                       fewest_seconds=base,
+                       reason=f"{head}: predicted {base:.3g} s, no split into more timed {margin:.0%} faster")

@@ -1,0 +1,1348 @@
+"""A training step that holds the global batch fixed and picks the micro-batch by itself.
+
+``Engine.step(batch)`` splits this rank's share of one global batch into micro-batches that fit,
+accumulates their gradients and steps the optimizer once. On an OOM it drops the partial
+gradients, shrinks and reruns the same batch: no sample lost, the same update. It grows back
+after clean steps with room to spare. How and why, in detail: ``docs/internals.md#engine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+import torch
+from torch import nn
+
+from .._checks import positive_int as _positive_int
+from ..core.amp import amp_dtype as _amp_dtype, autocast
+from ..core.batch import BatchLayout, BatchSplitter, SplitFn
+from ..core.compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
+from ..core.loss import as_loss_fn, parse_loss
+from ..dist.coordinator import Coordinator, LocalCoordinator
+from ..find.finder import find_batch_size
+from ..find.result import BatchPlan
+from ..memory.gauge import Gauge, gauge_for
+from ..memory.host import trim_host_memory
+from ..memory.oom import attempt
+from ..memory.probes import get_probe
+from ..memory.tracker import active_tracker
+from ..memory.units import format_bytes, parse_bytes, resolve_device
+from ..policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
+from ..policy.schedule import BatchSchedule, SchedulePoint, parse_schedule
+from ..policy.speed import SPEED_TOLERANCE, SplitChoice, TimeCurve, check_speed_tolerance, choose_split
+from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
+from .lengths import LengthConfig, LengthSizer, make_sizer
+from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
+
+__all__ = [
+    "BatchDoesNotFitError",
+    "Coordinator",
+    "Engine",
+    "EngineConfig",
+    "LocalCoordinator",
+    "StepResult",
+]
+
+logger = logging.getLogger(__name__)
+
+# 2: global_batch_size is the global batch over all ranks and world_size is stored; in 1 it
+# was the per-rank batch (which is all that loading uses of it).
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+
+
+class BatchDoesNotFitError(RuntimeError):
+    """Even a micro-batch of one sample runs out of memory."""
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The engine's adaptive knobs.
+
+    Attributes:
+        grow_after: clean steps before the micro-batch may grow (doubles after a failed growth).
+        backoff: factor by which ``grow_after``'s wait grows after a growth that ran out of memory.
+        max_wait: cap on that wait, in steps; ``None`` for no cap.
+        high_water: a step whose peak exceeds ``high_water × capacity`` shrinks the next one.
+        adapt: grow after clean steps and shrink on pressure; ``False`` keeps only the OOM retry.
+        capacity: bytes (or ``"24GiB"``) to plan against instead of the device's capacity.
+        restore_buffers: on retry, put BatchNorm running statistics back as they were before the
+            failed attempt (cost: one in-place copy of those buffers per step).
+        restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
+        find_options: extra keyword arguments for :func:`batchpilot.find.finder.find_batch_size` when
+            ``micro_batch_size="auto"`` and no ``start`` is given (with ``split="time"`` its
+            ``timed_steps`` defaults to 3: the split is decided on those times).
+        split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
+            micro-batch that fits: ``"time"``: the fewest micro-batches, balanced, unless the
+            finder's timed trials predict more, smaller ones faster by ``split_margin``
+            (:func:`batchpilot.policy.speed.choose_split`); ``"fewest"``: never by time.
+        split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    grow_after: int = 50
+    backoff: float = 2.0
+    max_wait: int | None = None
+    high_water: float = 0.95
+    adapt: bool = True
+    capacity: int | str | None = None
+    restore_buffers: bool = True
+    restore_rng: bool = True
+    find_options: dict[str, Any] = field(default_factory=dict)
+    split: Literal["time", "fewest"] = "time"
+    split_margin: float = SPEED_TOLERANCE
+
+    def __post_init__(self) -> None:
+        _positive_int("grow_after", self.grow_after)
+        if self.max_wait is not None:
+            _positive_int("max_wait", self.max_wait)
+        if not (isinstance(self.backoff, numbers.Real) and self.backoff >= 1):
+            raise ValueError(f"backoff must be a number >= 1, got {self.backoff!r}")
+        if not (isinstance(self.high_water, numbers.Real) and 0 < self.high_water <= 1):
+            raise ValueError(f"high_water must be a fraction of capacity in (0, 1], got {self.high_water!r}")
+        if self.capacity is not None:
+            self.capacity = parse_bytes(self.capacity)
+        if self.split not in ("time", "fewest"):
+            raise ValueError(f"split must be 'time' or 'fewest', got {self.split!r}")
+        self.split_margin = check_speed_tolerance(self.split_margin)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What one :meth:`Engine.step` did.
+
+    Attributes:
+        loss_tensor: the loss over the whole batch (0-dim, detached, on the device); for
+            ``(sum, count)`` losses this rank's sum over this rank's count.
+        micro_batch_size: the micro-batch of the attempt that succeeded.
+        accum_steps: micro-batches in that attempt on this rank (the last may be smaller).
+        samples: samples in this rank's batch (dim 0); the global batch is ``world`` times that.
+        ooms: OOMs retried within this step (on any rank).
+        peak_bytes: peak memory of the step on this rank: the successful attempt, the gradient
+            sync and the optimizer step, in the figure ``memory`` names.
+        measured: ``peak_bytes`` is the figure the engine decides on (always, now that real
+            memory is measured on every device).
+        memory: that figure: ``"tensors"`` (CPU inside a storage tracker or emulated
+            capacity), ``"resident"`` (the process's real memory on CPU), ``"device"``
+            (CUDA reserved plus memory outside PyTorch) or ``"allocated"`` (MPS, XPU).
+        seconds: wall time of the step (host time; the device may still be running).
+        skipped: the optimizer step was skipped (see ``skip_reason``); the scheduler did not step.
+        skip_reason: ``None``; ``"inf"``: fp16's ``GradScaler`` found inf/NaN gradients;
+            ``"empty"``: a ``(sum, count)`` loss counted 0 elements over the whole global batch
+            (all padding), so there was nothing to average (``loss`` is then nan).
+        pressure: the peak the next micro-batch was decided on (see the module docstring) was
+            above the high-water mark, or the CUDA allocator retried.
+        next_micro_batch_size: the micro-batch the next step starts with.
+        grad_norm: total gradient norm before clipping, when ``grad_clip`` is set.
+        compilations: graphs dynamo compiled during the step (0 once a compiled model is warm:
+            its batch dimension is dynamic, see :mod:`batchpilot.core.compiled`).
+        micro_batch_reason: why the step ran at ``micro_batch_size`` (the initial split, an
+            OOM, memory pressure, a growth, another rank).
+        global_batch_size: the global batch of this step (over all ranks).
+        next_global_batch_size: the global batch of the next step (a schedule may change it).
+        noise: the gradient noise measurement of this step (:class:`batchpilot.train.noise.NoiseSample`),
+            or ``None`` when nothing was measured (noise off, one micro-batch on one rank, a
+            skipped step).
+        length: with ``lengths=``, the batch's padded sequence length; else ``None``.
+        micro_batch_sizes: the samples in each micro-batch of the attempt that succeeded.
+        micro_batch_lengths: with ``lengths=``, each micro-batch's padded length (its own longest
+            sample under length-aware splitting, else the batch's); else empty.
+    """
+
+    loss_tensor: torch.Tensor
+    micro_batch_size: int
+    accum_steps: int
+    samples: int
+    ooms: int
+    peak_bytes: int
+    measured: bool
+    memory: str = "tensors"
+    seconds: float
+    skipped: bool = False
+    skip_reason: str | None = None
+    pressure: bool = False
+    next_micro_batch_size: int = 0
+    grad_norm: torch.Tensor | None = None
+    compilations: int = 0
+    micro_batch_reason: str = ""
+    global_batch_size: int = 0
+    next_global_batch_size: int = 0
+    noise: NoiseSample | None = None
+    length: int | None = None
+    micro_batch_sizes: tuple[int, ...] = ()
+    micro_batch_lengths: tuple[int, ...] = ()
+
+    @property
+    def loss(self) -> float:
+        """The loss as a float; on an accelerator this waits for the step (a sync point)."""
+        return float(self.loss_tensor)
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_simple`` in samples (the EMA after this step), or ``None``; a sync point on an accelerator."""
+        return None if self.noise is None else self.noise.noise_scale
+
+
+@dataclass
+class _Accumulated:
+    loss: torch.Tensor
+    count: Any
+    mode: str
+    sizes: list[int]
+
+
+class Engine:
+    """Train on a fixed global batch with a micro-batch that adapts to the memory.
+
+    Args:
+        model: the module (optionally wrapped in ``DistributedDataParallel``).
+        optimizer: its optimizer; the engine calls ``step`` once per global batch.
+        loss_fn: ``loss_fn(model, micro_batch)`` returning the micro-batch's mean loss (0-dim
+            tensor) or ``(sum, count)``; or a torch criterion (``nn.CrossEntropyLoss()``), which
+            is applied as ``criterion(model(inputs), targets)`` to ``(inputs, targets)`` batches.
+        global_batch_size: samples per optimizer step summed over all ranks (the true global
+            batch). Each rank's :meth:`step` takes ``global_batch_size // world`` of them,
+            ``world`` being ``coordinator.world_size``; in a world of one, all of them.
+        micro_batch_size: ``"auto"`` (adapt; start from ``start``, else from the finder) or a
+            fixed int (no adaptation; an OOM raises after the partial gradients are dropped);
+            at most the per-rank batch.
+        start: first micro-batch for ``"auto"``: an int, or the :class:`~batchpilot.find.result.BatchPlan`
+            of a search already run (its batch size and memory fit are used, no trial runs); ``None`` runs
+            :func:`~batchpilot.find.finder.find_batch_size` on the first batch (with several ranks
+            :func:`~batchpilot.dist.distributed.find_batch_size_distributed`, on the module inside a
+            DDP wrapper).
+        device: where micro-batches go and memory is measured; default: the model's.
+        amp: ``None``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and ``GradScaler``).
+        grad_clip: clip the total gradient norm to this (unscaled first under fp16).
+        target: fraction of capacity a grown micro-batch's predicted peak may use.
+        scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
+            optimizer step (not on skipped fp16 steps). Checkpoint it yourself.
+        coordinator: agreement with other ranks, and the world size; default
+            :class:`~batchpilot.dist.distributed.DistributedCoordinator` when a process group of
+            several ranks is initialised (``torchrun``), else :class:`LocalCoordinator`.
+        shared: dict keys of the batch that are the same for every sample (see
+            :mod:`batchpilot.core.batch`); they go whole to every micro-batch.
+        split_fn: ``split_fn(batch, start, stop)`` cutting a batch into micro-batches your way.
+        config: adaptive knobs, see :class:`EngineConfig`.
+        noise: measure the gradient noise scale (:mod:`batchpilot.train.noise`): ``True`` (default,
+            ``NoiseConfig()``; ``NoiseConfig(mode="every")`` under a schedule that follows the
+            noise scale), a :class:`~batchpilot.train.noise.NoiseConfig`, or ``False``.
+        schedule: a global-batch schedule (:mod:`batchpilot.policy.schedule`), or its spec for
+            :func:`~batchpilot.policy.schedule.parse_schedule` (``"adaptive"``); ``global_batch_size`` is
+            then the batch the optimizer's LR is set for, and the engine moves to the
+            schedule's batch from the first step, rescaling the LR (and the scheduler's base LRs)
+            by the schedule's rule at every change. Give each step :attr:`per_rank_batch_size`
+            samples: ``loader.set_batch_size(engine.per_rank_batch_size)`` after each step.
+        lengths: size each step by its padded sequence length
+            (:class:`~batchpilot.train.lengths.LengthConfig`; ``True`` for its defaults): the
+            micro-batch comes from the memory model over (batch, length) before the step runs,
+            and a length beyond the longest verified one is verified by a real search first.
+            On by default when ``start`` is a :class:`~batchpilot.find.lengths.LengthPlan`.
+
+    Attributes:
+        global_batch_size: samples per optimizer step over all ranks (read-only; a schedule or
+            :meth:`set_global_batch_size` changes it between steps).
+        world_size: data-parallel ranks, from the coordinator (read-only).
+        per_rank_batch_size: ``global_batch_size // world_size``, what :meth:`step` takes.
+        micro_batch_size: the micro-batch of the next step (``None`` before the first one).
+        micro_batch_reason: why it is that size (empty before the first step).
+        split: the initial split of the per-rank batch (:class:`~batchpilot.policy.speed.SplitChoice`),
+            ``None`` before the first step and for a fixed micro-batch.
+
+    Raises:
+        ValueError: a batch size that is not a positive int, a global batch that does not
+            divide by the world size (the message suggests the nearest that do), a fixed
+            micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
+            ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
+            schedule that follows the noise scale with ``noise=False`` (or a coordinator of
+            several ranks that cannot sum it), ``lengths`` with a fixed micro-batch, an int
+            ``start``, or FSDP.
+        TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Any,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | Literal["auto"] = "auto",
+        start: int | BatchPlan | None = None,
+        device: torch.device | str | None = None,
+        amp: str | torch.dtype | None = None,
+        grad_clip: float | None = None,
+        target: float = 0.8,
+        scheduler: Any = None,
+        coordinator: Coordinator | None = None,
+        config: EngineConfig | None = None,
+        shared: str | Iterable[str] | None = None,
+        split_fn: SplitFn | None = None,
+        noise: bool | NoiseConfig = True,
+        schedule: BatchSchedule | str | None = None,
+        lengths: LengthConfig | bool | None = None,
+    ) -> None:
+        self._global = _positive_int("global_batch_size", global_batch_size)
+        self._fsdp = _is_fsdp(model)
+        self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator(self._fsdp)
+        self.layout = BatchLayout.of(shared, split_fn)
+        # read once: a distributed coordinator asks the process group, and the world is fixed for a run
+        self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
+        self._per_rank = _per_rank_batch(self._global, self._world)
+        self.config = config if config is not None else EngineConfig()
+        #: the finder's plan the first micro-batch came from (given as ``start`` or found on step 1)
+        self.plan: BatchPlan | None = None
+        if micro_batch_size == "auto":
+            self.fixed = False
+            if isinstance(start, BatchPlan):
+                self.plan = start
+                start = max(1, min(int(start.batch_size), self._per_rank))
+            elif start is not None:
+                _positive_int("start", start)
+                if start > self._per_rank:
+                    raise ValueError(
+                        f"start={start} is larger than {self._share()}; the micro-batch can be at "
+                        "most the batch one rank trains on"
+                    )
+        else:
+            _positive_int("micro_batch_size", micro_batch_size, extra=' or "auto"')
+            if micro_batch_size > self._per_rank:
+                raise ValueError(
+                    f"micro_batch_size={micro_batch_size} is larger than {self._share()}; use at "
+                    f"most {self._per_rank}, or raise the global batch"
+                )
+            if start is not None:
+                raise ValueError('start only applies to micro_batch_size="auto"')
+            self.fixed = True
+        if not (isinstance(target, numbers.Real) and 0 < target < 1):
+            raise ValueError(f"target must be a fraction of capacity in (0, 1), got {target!r}")
+        if target >= self.config.high_water:
+            raise ValueError(
+                f"target {target} must be below config.high_water {self.config.high_water}, "
+                "or every grown micro-batch would count as memory pressure"
+            )
+        if grad_clip is not None and not (isinstance(grad_clip, numbers.Real) and grad_clip > 0):
+            raise ValueError(f"grad_clip must be a positive max norm, got {grad_clip!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = as_loss_fn(loss_fn)
+        self.target = float(target)
+        self.grad_clip = grad_clip
+        self.scheduler = scheduler
+        self.device = resolve_device(device if device is not None else _model_device(model))
+        self.amp_dtype = _amp_dtype(amp)
+        if self._fsdp:
+            self._bind_fsdp(model)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
+        self.steps = 0
+        self.micro_batch_size: int | None = None if not self.fixed else int(micro_batch_size)
+        self.policy: MicroBatchPolicy | None = None
+        self.micro_batch_reason = "" if not self.fixed else f"fixed: micro_batch_size={micro_batch_size}"
+        self._pending_reason: str | None = None  # why the policy's next size, until the ranks agree on it
+        self.split: SplitChoice | None = None
+        self.fit = PeakFit()
+        self._start = start
+        self._gauges: dict[tuple, Gauge] = {}
+        self._probe: Gauge = self._step_gauge()
+        self._step_capacity: int | None = None
+        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        # compiled: micro-batches are marked dynamic and never end in one sample (batchpilot.core.compiled)
+        self._compiled = is_compiled(model)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._norm_buffers = _running_stat_buffers(model) if self.config.restore_buffers else []
+        self._saved_buffers: list[torch.Tensor] | None = None
+        self._rng: torch.Tensor | None = None
+        self._device_rng: torch.Tensor | None = None
+        self._last_scale: float | None = None
+        self._futile_warned = False
+        self._alloc_retries = _alloc_retries(self.device)
+        # peak of the last gradient sync + optimizer step; it does not depend on the micro-batch
+        self._apply_peak = 0
+        # statistical efficiency: the noise scale (batchpilot.train.noise) and a global-batch schedule
+        if isinstance(schedule, str):
+            schedule = parse_schedule(schedule)
+        if schedule is not None and not isinstance(schedule, BatchSchedule):
+            raise TypeError(f"schedule must be a batchpilot.policy.schedule.BatchSchedule or its spec (\"ramp:32,32,10000\"), "
+                            f"got {type(schedule).__name__}")
+        self.schedule: BatchSchedule | None = schedule
+        self.noise_meter: NoiseMeter | None = make_meter(
+            noise, world=self._world, coordinator=self.coordinator,
+            follower=None if schedule is None or not schedule.reads_noise else schedule.describe(),
+        )
+        self._reference = self._global  # the batch the optimizer's LR is set for
+        self.samples_seen = 0  # over all ranks
+        self._last_change = 0
+        self._micro_cap: tuple[int, int] | None = None  # (memory's micro-batch, what a rebase made of it)
+        self._short_batches = 0
+        self._clip_covers_all = {id(p) for p in self._opt_params} == {id(p) for p in self._params}
+        self._pending_noise: Any = None
+        if schedule is not None:
+            first = schedule.initial(self._global, self._world)
+            self._apply_schedule_change(first)
+        #: sizes each step by its sequence length (batchpilot.train.lengths), or None
+        self.lengths: LengthSizer | None = make_sizer(self, lengths, self.plan)
+        if self._ddp and self._world == 1 and _dist_world_size() > 1:
+            logger.warning(
+                "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
+                "is not agreed on, (sum, count) losses are normalised per rank, and "
+                "global_batch_size=%d is what each rank trains (%d in all); leave coordinator= out "
+                "to get batchpilot.dist.distributed.DistributedCoordinator", _dist_world_size(), self._global,
+                self._global * _dist_world_size(),
+            )
+
+    # ------------------------------------------------------------------ public
+    def step(self, batch: Any) -> StepResult:
+        """Train on this rank's share of one global batch; step the optimizer once.
+
+        ``batch`` holds up to :attr:`per_rank_batch_size` samples (``global_batch_size`` in a
+        world of one). A smaller batch (the last of an epoch) is allowed: its loss is the mean
+        over the samples it has, as in a plain loop with ``drop_last=False``.
+
+        Raises:
+            ValueError: the batch has no batch dimension, its tensors disagree on it, it is
+                larger than :attr:`per_rank_batch_size`, or ``loss_fn`` returned something
+                other than a 0-dim tensor or a ``(sum, count)`` pair.
+            BatchDoesNotFitError: a micro-batch of 1 runs out of memory.
+            batchpilot.policy.lengths.UnverifiedLengthError: with ``lengths=LengthConfig(beyond="error")``,
+                a batch longer than the longest verified length. The batch's length cannot be
+                read (a declared ``seq_dim`` it lacks, no ``attention_mask``) → ``ValueError``.
+            torch.OutOfMemoryError: an OOM with a fixed ``micro_batch_size`` (on every rank when
+                any rank ran out), after the partial gradients were dropped. An OOM in the
+                optimizer step itself (e.g. Adam creating its state) is not retried either: a
+                smaller micro-batch would not shrink it.
+        """
+        t0 = time.perf_counter()
+        compiles = CompileCounter()
+        split = BatchSplitter(batch, self.layout)
+        n = split.size
+        if n > self._per_rank:
+            raise ValueError(self._too_large(n))
+        if self.schedule is not None:
+            self._check_loader_follows(n)
+        agree_batch = getattr(self.coordinator, "agree_batch", None)
+        if agree_batch is not None:
+            agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
+        if self.lengths is not None:
+            self.lengths.size_step(split)  # before running: from the memory model at this length
+        elif self.micro_batch_size is None:
+            self._initialise(split)
+        measured = True  # every device has a real figure now (see StepResult.memory)
+        probe = self._probe = self._step_gauge()
+        self._step_capacity = None
+        if probe.host and not self.fixed:
+            trim_host_memory()  # freed heap back to the OS, so the resident peak is this step's
+        fixed = self.fixed
+        if not fixed:
+            self._snapshot()
+        ooms = 0
+        start_bytes = 0
+        pressure = False
+        try:
+            while True:
+                micro = min(self.micro_batch_size, n)
+                reason = self.micro_batch_reason
+                halved = micro if self.noise_meter is None else self.noise_meter.micro_batch(n, micro)
+                if halved != micro:
+                    micro = halved
+                    reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
+                if measured:
+                    probe.reset()
+                    start_bytes = probe.current()
+                # attempt() frees memory outside its except block; the agreement runs on every rank
+                outcome = self._attempt(split, micro)
+                if fixed:
+                    oom = self.coordinator.agree_oom(outcome.oom)
+                else:
+                    oom, pressure = self._agree(outcome.oom, micro, start_bytes, measured, ooms)
+                if not oom:
+                    acc = outcome.result
+                    break
+                message = outcome.message or "another rank ran out of memory"
+                del outcome
+                # another rank's OOM leaves this rank's complete gradients unusable too
+                self._drop_grads()
+                ooms += 1
+                if fixed:
+                    raise torch.OutOfMemoryError(
+                        f"out of memory at the fixed micro-batch {micro} on {self.device}: {message}; "
+                        'micro_batch_size="auto" shrinks and retries instead'
+                    )
+                self._restore()
+                self._shrink_after_oom(micro, measured, message)
+            if measured:
+                attempt_peak = probe.peak()
+                probe.reset()
+            grad_norm, skip_reason = self._apply(acc)
+        except BaseException as exc:
+            self._drop_grads()
+            explain = getattr(self.coordinator, "explain", None)
+            explained = explain(exc) if explain is not None else None
+            if explained is not None:
+                raise explained from exc  # a peer's failure, told by the coordinator
+            raise
+        self.steps += 1
+        self._apply_peak = probe.peak()
+        peak = max(attempt_peak, self._apply_peak)
+        noise = self._commit_noise(skip_reason)
+        this_global = self._global
+        self.samples_seen += n * self._world
+        self._follow_schedule()
+        return StepResult(
+            loss_tensor=acc.loss,
+            micro_batch_size=acc.sizes[0],
+            accum_steps=len(acc.sizes),
+            samples=n,
+            ooms=ooms,
+            peak_bytes=int(peak),
+            measured=measured,
+            memory=probe.kind,
+            seconds=time.perf_counter() - t0,
+            skipped=skip_reason is not None,
+            skip_reason=skip_reason,
+            pressure=pressure,
+            next_micro_batch_size=self.micro_batch_size,
+            grad_norm=grad_norm,
+            compilations=compiles.count,
+            micro_batch_reason=reason,
+            global_batch_size=this_global,
+            next_global_batch_size=self._global,
+            noise=noise,
+            length=None if self.lengths is None else self.lengths.length,
+            micro_batch_sizes=tuple(acc.sizes),
+            micro_batch_lengths=() if self.lengths is None else tuple(self.lengths.widths),
+        )
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, summed over all ranks."""
+        return self._global
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (the coordinator's world size when the engine was built)."""
+        return self._world
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        """This rank's share of the global batch, ``global_batch_size // world_size``: what :meth:`step` takes."""
+        return self._per_rank
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_simple`` in samples from the EMAs, or ``None`` before a measurement (a sync point on an accelerator)."""
+        return None if self.noise_meter is None else self.noise_meter.scale.noise_scale
+
+    def set_global_batch_size(
+        self, global_batch_size: int, *, lr_rule: str | None = "auto", scale_weight_decay: bool = False
+    ) -> float:
+        """Train on ``global_batch_size`` from the next step on; what a schedule calls at each change.
+
+        The per-rank batch and the accumulation follow; the micro-batch stays what memory allowed
+        (balanced over the new accumulation, at most the new per-rank batch). The LR (and the
+        scheduler's base LRs) is rescaled by ``lr_rule`` (:func:`batchpilot.train.batching.rescale_lr`;
+        ``None`` leaves it), the weight decay too with ``scale_weight_decay``
+        (:func:`batchpilot.train.batching.rescale_weight_decay`). Feed the next step
+        :attr:`per_rank_batch_size` samples (``ElasticLoader.set_batch_size`` keeps the data
+        exactly-once). Call it on every rank alike.
+
+        Returns:
+            The factor the LR was multiplied by.
+
+        Raises:
+            ValueError: not a positive int, or not a multiple of the world size (the message
+                names the nearest that are); an unknown ``lr_rule``.
+        """
+        new = _positive_int("global_batch_size", global_batch_size)
+        per_rank = _per_rank_batch(new, self._world)
+        old = self._global
+        if new == old:
+            return 1.0
+        factor = 1.0
+        if lr_rule is not None:
+            factor = rescale_lr(self.optimizer, old, new, rule=lr_rule, scheduler=self.scheduler)
+            if scale_weight_decay:
+                rescale_weight_decay(self.optimizer, old, new, lr_factor=factor)
+        self._resize(new, per_rank)
+        logger.info("global batch %d -> %d: %s", old, new, self.describe())
+        return factor
+
+    def _resize(self, new: int, per_rank: int) -> None:
+        self._global, self._per_rank = new, per_rank
+        policy = self.policy
+        if policy is None or self.fixed:
+            return
+        cap, made = self._micro_cap if self._micro_cap is not None else (policy.micro, policy.micro)
+        if policy.micro != made:  # memory moved the micro-batch since the last rebase: it is the cap now
+            cap = policy.micro
+        policy.rebase(per_rank, cap)
+        self._micro_cap = (cap, policy.micro)
+        self.micro_batch_size = policy.micro
+
+    @property
+    def accum_steps(self) -> int | None:
+        """Micro-batches per full per-rank batch at the current micro-batch (``None`` before the first step).
+
+        ``ceil(per_rank / micro)``: when the micro-batch does not divide the per-rank batch, the
+        last micro-batch is smaller.
+        """
+        return None if self.micro_batch_size is None else accum_steps(self._per_rank, self.micro_batch_size)
+
+    @property
+    def batch_config(self) -> BatchConfig | None:
+        """``global = micro × world × accum`` as a :class:`~batchpilot.train.batching.BatchConfig`.
+
+        ``None`` before the first step (no micro-batch yet) and whenever the micro-batch does not
+        divide the per-rank batch: the engine then runs a smaller last micro-batch, which
+        ``BatchConfig`` (exact division) cannot express. :meth:`describe` covers every case.
+        """
+        micro = self.micro_batch_size
+        if micro is None or self._per_rank % micro:
+            return None
+        return BatchConfig(global_batch_size=self._global, micro_batch_size=micro, world_size=self._world)
+
+    def describe(self) -> str:
+        """One line for logs, e.g. ``global 256 = micro 32 × world 2 × accum 4: <why that micro-batch>``.
+
+        When the micro-batch does not divide the per-rank batch: ``global 250 = world 2 × 125 per
+        rank, micro 32 × accum 4 (1 of 32, 3 of 31)`` (balanced, ``"auto"``) or ``... (last
+        micro-batch 29)`` (a fixed micro-batch); before the first step the micro-batch reads
+        ``not chosen yet``. With ``"auto"`` the reason (:attr:`micro_batch_reason`) follows a colon.
+        """
+        why = f": {self.micro_batch_reason}" if self.micro_batch_reason and not self.fixed else ""
+        config = self.batch_config
+        if config is not None:
+            return config.describe() + why
+        head = f"global {self._global} = world {self._world} × {self._per_rank} per rank"
+        micro = self.micro_batch_size
+        if micro is None:
+            return f"{head}, micro-batch not chosen yet"
+        k = accum_steps(self._per_rank, micro)
+        if self.fixed:
+            sizes = f"last micro-batch {self._per_rank - (k - 1) * micro}"
+        else:
+            q, r = divmod(self._per_rank, k)
+            sizes = f"{r} of {q + 1}, {k - r} of {q}"
+        return f"{head}, micro {micro} × accum {k} ({sizes}){why}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
+
+        ``global_batch_size`` is the global batch over all ranks and ``world_size`` the ranks it
+        was saved on. Model, optimizer and scheduler are the caller's to checkpoint.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "global_batch_size": self._global,
+            "world_size": self._world,
+            "micro_batch_size": self.micro_batch_size,
+            "steps": self.steps,
+            "policy": None if self.policy is None else self.policy.state_dict(),
+            "fit": self.fit.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            # statistical efficiency: plain numbers and strings (weights_only=True loads them)
+            "samples": self.samples_seen,
+            "reference_batch_size": self._reference,
+            "last_batch_change": self._last_change,
+            "micro_cap": None if self._micro_cap is None else list(self._micro_cap),
+            "noise": None if self.noise_meter is None else self.noise_meter.state_dict(),
+            "schedule": None if self.schedule is None else self.schedule.describe(),
+            # sizing by length: the fit, verified lengths and corrections (batchpilot.train.lengths)
+            "lengths": None if self.lengths is None else self.lengths.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next step uses the saved micro-batch without probing.
+
+        The batch sizes are this engine's: its global batch and world size (from the
+        constructor) give the per-rank batch and so the accumulation. A state saved on another
+        number of ranks keeps its micro-batch, clamped to the new per-rank batch (the growth
+        counters start afresh then); a saved global batch other than this one is logged. A fixed
+        ``micro_batch_size`` given to the constructor wins over the saved one. With ``lengths=``,
+        the sizer continues from its saved model (no search again at a verified length); a state
+        without it (saved before) leaves the sizer to fit on the first batch. States of
+        version 1 (whose ``global_batch_size`` was the per-rank batch) load too.
+
+        Raises:
+            ValueError: the state comes from an unknown version, or its "lengths" is not a sizer's state.
+        """
+        version = state.get("version")
+        if version not in _READABLE_VERSIONS:
+            raise ValueError(
+                f"engine state version {version!r} is not one of {', '.join(map(str, _READABLE_VERSIONS))}"
+            )
+        if state.get("lengths") is not None:
+            if self.lengths is not None:
+                self.lengths.load_state_dict(state["lengths"])
+            else:
+                logger.warning("the engine state holds a sequence-length sizer's model; this engine has no "
+                               "lengths= and ignores it")
+        saved_world = state.get("world_size")
+        if self.schedule is not None and version >= 2:
+            self._resume_schedule(state)
+        elif version >= 2 and state.get("global_batch_size") != self._global:
+            logger.warning(
+                "the engine state was saved for a global batch of %s; this engine trains on %d "
+                "(check the learning rate: batchpilot.train.batching.rescale_lr)",
+                state.get("global_batch_size"), self._global,
+            )
+        if saved_world is not None and saved_world != self._world:
+            logger.info("engine state saved on %d rank(s), resumed on %d: %d samples per rank",
+                        saved_world, self._world, self._per_rank)
+        self.steps = int(state["steps"])
+        self.samples_seen = int(state.get("samples", 0))
+        self._last_change = int(state.get("last_batch_change", 0))
+        if self.noise_meter is not None and state.get("noise") is not None:
+            self.noise_meter.load_state_dict(state["noise"])
+        self.fit.load_state_dict(state["fit"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+            self._last_scale = None
+        saved = state.get("micro_batch_size")
+        if self.fixed or saved is None:
+            return
+        self._make_policy(min(int(saved), self._per_rank))
+        if state.get("policy") is not None:
+            self.policy.load_state_dict(state["policy"])
+        self.micro_batch_size = self.policy.micro
+        self.micro_batch_reason = f"resumed from a checkpoint at micro-batch {self.micro_batch_size}"
+        cap = state.get("micro_cap")
+        if cap is not None and saved_world in (None, self._world):
+            self._micro_cap = (int(cap[0]), int(cap[1]))
+
+    # ------------------------------------------------------------------ schedule and noise
+    def _commit_noise(self, skip_reason: str | None) -> NoiseSample | None:
+        """Fold the step's measurement into the EMAs, unless the step was skipped (fp16 inf, all padding)."""
+        pending, self._pending_noise = self._pending_noise, None
+        if pending is None or skip_reason is not None:
+            return None
+        return self.noise_meter.commit(pending)
+
+    def _follow_schedule(self) -> None:
+        """Ask the schedule for the next step's global batch, and move to it."""
+        schedule = self.schedule
+        if schedule is None:
+            return
+        point = SchedulePoint(step=self.steps, samples=self.samples_seen, current=self._global,
+                              last_change=self._last_change, world=self._world)
+        if schedule.reads_noise and schedule.wants_noise(point):
+            # every rank reads the same number: its norms were summed over ranks
+            point = dataclasses.replace(point, noise_scale=self.noise_scale)
+        self._apply_schedule_change(schedule.decide(point, self._reference))
+
+    def _apply_schedule_change(self, new: int) -> None:
+        if new == self._global:
+            return
+        schedule = self.schedule
+        self.set_global_batch_size(new, lr_rule=schedule.lr_rule, scale_weight_decay=schedule.scale_weight_decay)
+        self._last_change = self.steps
+
+    def _resume_schedule(self, state: dict[str, Any]) -> None:
+        """Continue a schedule where the state left it: its global batch, made valid for this world size.
+
+        The optimizer's checkpoint holds the LR of the saved global batch, so only a batch that
+        this world size must round is rescaled (from the saved one).
+        """
+        saved = int(state["global_batch_size"])
+        reference = int(state.get("reference_batch_size", self._reference))
+        if reference != self._reference:
+            logger.warning("the engine state was saved with global_batch_size=%d as the schedule's reference; "
+                           "this engine has %d", reference, self._reference)
+        if state.get("schedule") not in (None, self.schedule.describe()):
+            logger.warning("the engine state was saved under the %s schedule; continuing under %s",
+                           state["schedule"], self.schedule.describe())
+        target = self.schedule.for_world(saved, self._reference, self._world)
+        self._global = saved  # what the optimizer's LR is for
+        if target == saved:
+            self._resize(saved, _per_rank_batch(saved, self._world))
+        else:
+            logger.info("the saved global batch %d does not suit %d rank(s): continuing at %d", saved, self._world, target)
+            self.set_global_batch_size(target, lr_rule=self.schedule.lr_rule,
+                                       scale_weight_decay=self.schedule.scale_weight_decay)
+
+    def _check_loader_follows(self, n: int) -> None:
+        """Warn when batches stay short of the per-rank batch after a schedule grew it (one short batch is an epoch's end)."""
+        self._short_batches = self._short_batches + 1 if n < self._per_rank else 0
+        if self._short_batches == 2:
+            logger.warning(
+                "two batches in a row of %d samples, fewer than this rank's %d: the schedule grew the global "
+                "batch but the data loader did not follow; call loader.set_batch_size(engine.per_rank_batch_size) "
+                "after each step", n, self._per_rank,
+            )
+
+    # ------------------------------------------------------------------ setup
+    def _initialise(self, split: BatchSplitter) -> None:
+        start = self._start
+        if start is None:
+            start = self._find_start(split)
+        elif self.plan is not None:
+            self._adopt_fit(self.plan)
+        self._choose_split(min(start, self._per_rank))
+        self.micro_batch_size = self.coordinator.agree_micro_batch(self.policy.micro)
+        if self.micro_batch_size < self.policy.micro:
+            self.micro_batch_reason = f"agreed with the other ranks (a smaller rank proposed {self.micro_batch_size})"
+        self.policy.adopt(self.micro_batch_size)
+        self.micro_batch_size = self.policy.micro
+        logger.info("%s", self.describe())
+
+    def _choose_split(self, largest: int) -> None:
+        """The initial micro-batch: :func:`~batchpilot.policy.speed.choose_split` under ``largest``, timed by the plan."""
+        plan = self.plan
+        if plan is not None:
+            # a throughput plan answers a smaller batch; the engine splits a fixed batch, so the
+            # memory bound is what fits, and the split is chosen by time below. A memory plan's
+            # answer is the bound (after a distributed search, the smallest rank's)
+            bound = plan.largest_fitting if plan.objective == "throughput" and plan.largest_fitting else plan.batch_size
+            largest = max(1, min(int(bound), self._per_rank))
+        curve = None
+        if plan is not None and self.config.split == "time":
+            try:
+                curve = TimeCurve(plan.timed_points())
+            except ValueError:  # fewer than two timed sizes: nothing to compare
+                curve = None
+        self.split = choose_split(self._per_rank, largest, step_time=curve, margin=self.config.split_margin,
+                                  smallest=curve.smallest if curve is not None else 1)
+        fewest = accum_steps(self._per_rank, largest)
+        # a split chosen for speed caps growth there: growing back would undo it
+        ceiling = self.split.micro_batch_size if self.split.accum_steps > fewest else None
+        self._make_policy(self.split.micro_batch_size, ceiling=ceiling)
+        self.micro_batch_reason = self.split.reason
+
+    def _share(self) -> str:
+        """The per-rank batch in words, for error messages."""
+        if self._world == 1:
+            return f"global_batch_size={self._global}"
+        return f"this rank's share {self._per_rank} (global_batch_size={self._global} over {self._world} ranks)"
+
+    def _too_large(self, n: int) -> str:
+        if self._global != self._reference:
+            return (
+                f"the batch has {n} samples, more than this rank's {self._per_rank} of the global batch "
+                f"{self._global} (it was {self._reference}; a schedule or set_global_batch_size changed it): "
+                "have the data loader follow the engine, loader.set_batch_size(engine.per_rank_batch_size) "
+                "after each step"
+            )
+        if self._world == 1:
+            return (
+                f"the batch has {n} samples but global_batch_size is {self._global}; give the engine "
+                "one global batch per step (a DataLoader with batch_size=global_batch_size), or raise "
+                "global_batch_size"
+            )
+        return (
+            f"the batch has {n} samples, more than {self._share()}; give each rank its "
+            f"share per step (a sampler with batch_size=global_batch_size // {self._world}), or raise "
+            "global_batch_size"
+        )
+
+    def _make_policy(self, micro: int, ceiling: int | None = None) -> None:
+        cfg = self.config
+        self.policy = MicroBatchPolicy(
+            limit=self._per_rank, micro=micro, grow_after=cfg.grow_after,
+            backoff=cfg.backoff, max_wait=cfg.max_wait, ceiling=ceiling,
+        )
+
+    def _find_start(self, split: BatchSplitter) -> int:
+        """The finder's micro-batch, probed on the first batch's samples; all state put back.
+
+        Raises:
+            batchpilot.policy.search.NothingFitsError: as :meth:`_search`.
+        """
+        plan = self._search(split)
+        self.plan = plan
+        self._adopt_fit(plan)
+        return max(1, int(plan.batch_size))
+
+    def _search(self, split: BatchSplitter, *, accumulating: bool = False, **overrides: Any) -> BatchPlan:
+        """A finder search on ``split``'s samples (``overrides``: finder options); all state put back.
+
+        ``accumulating``: a trial below the per-rank batch runs two micro-batches, so its peak
+        holds the gradients a later micro-batch runs beside (sizing by length reuses the answer
+        for every micro-batch of a step).
+
+        Raises:
+            batchpilot.policy.search.NothingFitsError: not even the smallest batch fits (with several
+                ranks: on any rank; then it is raised on every rank, naming that rank).
+        """
+        # imported here, not at module level: distributed is the layer above the engine (its
+        # coordinator is the engine's hook), so the engine takes no import-time dependency on it
+        from ..dist.distributed import find_batch_size_distributed, unwrap_model
+
+        inner = unwrap_model(self.model)
+
+        def trial(b: int, rounds: int = 1) -> None:
+            # the module inside a DDP wrapper: no hook, no all-reduce, so ranks may run different
+            # trials (a trial through the wrapper would synchronise with whatever the others run)
+            sub = BatchSplitter(split.slice(0, b), self.layout)
+            for r in range(rounds):
+                self._accumulate(sub, b, use_scaler=False, model=inner, sync=r == rounds - 1)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        options = dict(self.config.find_options)
+        options.setdefault("target", self.target)
+        if self.config.split == "time":
+            options.setdefault("timed_steps", 3)  # the split is decided on these times: the fastest of three
+        if self.config.capacity is not None:
+            options.setdefault("capacity", self.config.capacity)
+        options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
+        options.update(overrides)
+        fsdp_finder = getattr(self.coordinator, "find_batch_size", None)
+        if fsdp_finder is not None:
+            # FSDP: trials in lockstep on every rank (their forward runs collectives). A micro-batch
+            # below the per-rank batch accumulates, and FSDP keeps the unsharded gradients between
+            # micro-batches: such a trial runs two micro-batches so that its peak holds them
+            def rounds(b: int) -> int:
+                return 2 if b < self._per_rank else 1
+
+            plan = fsdp_finder(lambda b: trial(b, rounds(b)), restore=(self.model, self.optimizer),
+                               replay=lambda b: trial(1, rounds(b)), **options)
+            if hasattr(self.coordinator, "limited_by_rank"):
+                self.coordinator.limited_by_rank = plan.limited_by_rank
+        elif self._world > 1:
+            # every rank searches alone, then one all-reduce MIN; a nothing-fits on one rank is
+            # raised on all of them. The wrapper goes in `restore`: it is unwrapped for the
+            # snapshot, and a loss_fn that calls it instead of its argument fails clearly.
+            plan = find_batch_size_distributed(
+                trial, restore=(self.model, self.optimizer), group=getattr(self.coordinator, "group", None),
+                **options,
+            )
+            if hasattr(self.coordinator, "limited_by_rank"):
+                # the agreement below sees equal proposals now; the finder knows who limited them
+                self.coordinator.limited_by_rank = plan.limited_by_rank
+        elif accumulating:
+            plan = find_batch_size(lambda b: trial(b, 2 if b < self._per_rank else 1),
+                                   restore=(inner, self.optimizer), **options)
+        else:
+            plan = find_batch_size(trial, restore=(inner, self.optimizer), **options)
+        return plan
+
+    def _adopt_fit(self, plan: BatchPlan) -> None:
+        """Use the finder's memory line as the prior until the engine has measured two sizes."""
+        fit = plan.fit
+        if fit is not None and fit.bytes_per_sample > 0:
+            # the finder's line is absolute; the engine models the increase over what is in use
+            fixed = max(0.0, float(fit.fixed_bytes) - self._step_gauge().current())
+            self.fit.prior = (fixed, float(fit.bytes_per_sample))
+
+    # ------------------------------------------------------------------ the step
+    def _accumulate(
+        self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, model: nn.Module | None = None,
+        sync: bool = True,
+    ) -> _Accumulated:
+        """Forward and backward over ``split`` in micro-batches of ``micro``; no optimizer step.
+
+        ``model`` defaults to the engine's; the finder passes the module inside a DDP wrapper.
+        ``sync=False`` keeps FSDP from reduce-scattering after the last micro-batch too.
+        """
+        meter = self.noise_meter if model is None else None  # the finder's trials measure nothing
+        own = model is None
+        if model is None:
+            model = self.model
+        ddp = self._ddp and model is self.model
+        n = split.size
+        # "auto": balanced micro-batches (10 at 4 is 4 + 3 + 3, the same passes and peak as
+        # 4 + 4 + 2, no ragged tail); a fixed micro-batch is cut as the user's own loop would
+        sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
+        widths = None
+        if self.lengths is not None and own:  # the engine's own step, not a finder trial
+            sizes, widths = self.lengths.cut(split, micro, sizes)
+        elif self._compiled:
+            sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
+        last = len(sizes) - 1
+        scaler = self.scaler if use_scaler else None
+        if meter is not None:
+            loss_scale = scaler.scale(torch.ones((), device=self.device)) if scaler is not None else None
+            meter.begin(n=n, sizes=sizes, per_rank=self._per_rank, scale=loss_scale)
+        total = None
+        count: Any = 0
+        mode = None
+        start = 0
+        for i, size in enumerate(sizes):
+            # length-aware: the micro-batch's samples, trimmed to their longest
+            mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
+            start += size
+            if self._compiled:  # a new micro-batch size, or length, reuses the graph
+                mark_batch_dynamic(mb, self.layout,
+                                   seq_dim=None if self.lengths is None else self.lengths.config.token_dim)
+            # DDP all-reduces in the backward of the last micro-batch only, unless deferred;
+            # FSDP reduce-scatters there (the coordinator switches it)
+            quiet = ddp and (i < last or self.coordinator.defer_grad_sync)
+            if self._fsdp:
+                self.coordinator.set_gradient_sync(sync and i == last)
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                with self._autocast():
+                    out = self.loss_fn(model, mb)
+                loss, c, kind = parse_loss(out)
+                if mode is None:
+                    mode = kind
+                elif kind != mode:
+                    raise ValueError("loss_fn returned a mean for one micro-batch and (sum, count) for another")
+                if kind == "mean":
+                    # weight by sample count: uneven micro-batches still give the batch mean
+                    scaled = loss if size == n else loss * (size / n)
+                    term = scaled.detach()
+                else:
+                    # a rank-independent constant keeps magnitudes per-sample; the exact total
+                    # count divides the gradients once all micro-batches are done (_apply)
+                    scaled = loss / self._per_rank
+                    term = loss.detach()
+                    count = count + c
+                if scaler is not None:
+                    scaled = scaler.scale(scaled)
+                if meter is not None:
+                    meter.before_backward(i, self._params)
+                scaled.backward()
+                if meter is not None:
+                    meter.after_backward(i, size, c if kind == "sum" else None, self._params)
+            del out, loss, scaled, mb
+            if term.dtype != torch.float32:
+                term = term.float()
+            total = term if total is None else total + term
+        assert total is not None and mode is not None
+        return _Accumulated(loss=total, count=count, mode=mode, sizes=sizes)
+
+    def _apply(self, acc: _Accumulated) -> tuple[torch.Tensor | None, str | None]:
+        """Synchronise and normalise the accumulated gradients, then step the optimizer once.
+
+        Returns the gradient norm (when clipping) and why the optimizer step was skipped, if it was.
+        """
+        coord = self.coordinator
+        meter = self.noise_meter
+        # the noise scale's local norms, summed over ranks inside the gradient sync's collective
+        values = None if meter is None else meter.local_values(self._params, acc.count if acc.mode == "sum" else None)
+        if coord.defer_grad_sync:
+            if values is None:
+                coord.sync_gradients(self.model)
+            else:
+                values = coord.sync_gradients_and_sum(self.model, values)
+        elif values is not None and self._world > 1:
+            values = coord.sum_over_ranks(values)
+        total = None
+        if acc.mode == "sum":
+            total = coord.total_count(acc.count)
+            # a tensor count must be read to tell an empty batch: one sync per step, (sum, count) only
+            if float(total) <= 0:
+                # every element was padding on every rank: no gradient to average, so no step,
+                # rather than 0 / 0 written into the parameters
+                self.optimizer.zero_grad(set_to_none=True)
+                acc.loss = torch.full_like(acc.loss, float("nan"))
+                logger.warning("step %d: the (sum, count) loss counted no element in the whole global batch "
+                               "(all padding?); the optimizer step is skipped", self.steps + 1)
+                return None, "empty"
+            grads = [p.grad for p in self._params if p.grad is not None]
+            # DDP averaged over ranks; world × N / total undoes that and divides by the global count.
+            factor = self._world * self._per_rank / total
+            if grads:
+                if isinstance(factor, torch.Tensor):
+                    factor = factor.to(grads[0].device)
+                torch._foreach_mul_(grads, factor)
+            acc.loss = acc.loss / acc.count
+        grad_norm = None
+        skipped = False
+        scaler = self.scaler
+        if self.grad_clip is not None:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            grad_norm = nn.utils.clip_grad_norm_(self._opt_params, self.grad_clip)
+        if meter is not None:
+            # before the optimizer step: the big batch's norm (clipping's, when it covers every gradient)
+            self._pending_noise = meter.measure(self._params, values, total_count=total,
+                                                grad_norm=grad_norm if self._clip_covers_all else None)
+        if scaler is not None:
+            if self._last_scale is None:
+                self._last_scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            scale = scaler.get_scale()  # a sync point: the scale is a device tensor
+            skipped = scale < self._last_scale
+            self._last_scale = scale
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None and not skipped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, "inf" if skipped else None
+
+    def _attempt(self, split: BatchSplitter, micro: int) -> Any:
+        """One attempt at the batch; the coordinator runs it when it must (FSDP's replay after an OOM)."""
+        run = getattr(self.coordinator, "attempt", None)
+        if run is None:
+            return attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
+        count = accum_steps(split.size, micro)  # the replay runs as many micro-batches, of one sample
+        return run(lambda: self._accumulate(split, micro),
+                   lambda: self._accumulate(BatchSplitter(split.slice(0, count), self.layout), 1),
+                   device=self.device, on_oom=self._drop_grads, micro_batch_size=micro, step=self.steps + 1)
+
+    def _bind_fsdp(self, model: nn.Module) -> None:
+        """Attach the coordinator to a ``fully_shard`` model, or refuse a coordinator that cannot run it."""
+        bind = getattr(self.coordinator, "bind", None)
+        if bind is None or not hasattr(self.coordinator, "set_gradient_sync"):
+            raise ValueError(
+                f"the model has fully_shard (FSDP2) modules, which {type(self.coordinator).__name__} cannot keep "
+                "in step; leave coordinator= out, or pass batchpilot.dist.fsdp.FSDPCoordinator()"
+            )
+        if self.amp_dtype is torch.float16:
+            raise ValueError(
+                "amp='fp16' with fully_shard: GradScaler would decide on inf gradients per shard and the "
+                "ranks would diverge; use amp='bf16' (or FSDP2's MixedPrecisionPolicy)"
+            )
+        bind(model)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device.type, self.amp_dtype)
+
+    def _drop_grads(self) -> None:
+        if self.noise_meter is not None:
+            self.noise_meter.abort()
+        self._pending_noise = None
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ retry state
+    def _snapshot(self) -> None:
+        if self._norm_buffers:
+            if self._saved_buffers is None:
+                self._saved_buffers = [b.detach().clone() for b in self._norm_buffers]
+            else:
+                torch._foreach_copy_(self._saved_buffers, self._norm_buffers)
+        if self.config.restore_rng:
+            self._rng = torch.get_rng_state()
+            self._device_rng = (
+                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            )
+
+    def _restore(self) -> None:
+        if self._saved_buffers is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self._norm_buffers, self._saved_buffers)
+        if self.config.restore_rng:
+            torch.set_rng_state(self._rng)
+            if self._device_rng is not None:
+                torch.cuda.set_rng_state(self._device_rng, self.device)
+
+    # ------------------------------------------------------------------ adaptation
+    def _step_gauge(self) -> Gauge:
+        """The figure this step decides on: an emulation running around it, else the device's real memory."""
+        dev = self.device
+        if dev.type == "cpu":
+            tracker = active_tracker(dev)
+            key: tuple = ("tensors",) if tracker is not None else ("host",)
+            emulated = None if tracker is None else (tracker.capacity or 0)
+        else:
+            emulated = getattr(get_probe(dev), "_capacity_override", None)
+            key = (dev.type, emulated)
+        gauge = self._gauges.get(key)
+        if gauge is None:
+            gauge = self._gauges[key] = gauge_for(dev, emulated_capacity=emulated)
+        return gauge
+
+    def _capacity(self) -> int:
+        if self.config.capacity is not None:
+            return self.config.capacity
+        if self._step_capacity is None:  # read once per step: on a real CPU it is a few file reads
+            self._step_capacity = self._probe.capacity()
+        return self._step_capacity
+
+    def _max_fitting(self, measured: bool, start: int) -> int | None:
+        """Largest micro-batch the memory model fits under ``target`` for a step that begins with ``start`` bytes."""
+        if not measured or not self.config.adapt:
+            return None
+        return self.fit.max_fitting(self.target * self._capacity(), start)
+
+    def _shrink_after_oom(self, micro: int, measured: bool, message: str) -> None:
+        policy = self.policy
+        if self.lengths is not None:
+            self.lengths.on_oom(self._capacity())
+        # after the OOM the gradients are dropped: what is in use now is what the retry starts with
+        new = policy.on_oom(self._max_fitting(measured, self._probe.current()))
+        if new is None:
+            capacity = self._capacity()
+            raise BatchDoesNotFitError(
+                f"out of memory at a micro-batch of 1 sample on {self.device} (capacity "
+                f"{format_bytes(capacity)}; {message}): the model, its gradients and optimizer "
+                "state do not fit; use a smaller model, mixed precision (amp='bf16'), or a larger device"
+            )
+        policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
+        self.micro_batch_size = policy.micro
+        self.micro_batch_reason = f"shrunk after an out-of-memory error at micro-batch {micro}"
+        logger.warning(
+            "out of memory at micro-batch %d; retrying the same %d samples at micro-batch %d",
+            micro, self._per_rank, self.micro_batch_size,
+        )
+
+    def _agree(self, oom: bool, micro: int, start_bytes: int, measured: bool, ooms: int) -> tuple[bool, bool]:
+        """Agree on the attempt's OOM and on the next micro-batch in one call; ``(any OOM, pressure)``.
+
+        A rank whose attempt succeeded decides its next micro-batch first (on the peak the module
+        docstring describes) and proposes it. When another rank ran out of memory that decision is undone, so
+        the retry shrinks from the same policy state on every rank.
+        """
+        policy = self.policy
+        if oom:
+            # this rank's proposal is unused when any rank ran out; send the current size
+            return self.coordinator.agree(True, policy.micro)[0], False
+        # the policy holds only numbers: a shallow copy is a full snapshot, and costs a microsecond
+        saved = copy.copy(policy)
+        # the optimizer step has not run yet: its peak is the last step's
+        peak = max(self._probe.peak(), self._apply_peak) if measured else 0
+        pressure = self._adapt(micro, peak, start_bytes, measured, ooms)
+        anyone, agreed = self.coordinator.agree(False, policy.micro)
+        if anyone:
+            self.policy = saved
+            return True, False
+        proposed, pending = policy.micro, self._pending_reason
+        self._pending_reason = None
+        policy.adopt(agreed)
+        if policy.micro != self.micro_batch_size:
+            if policy.micro < proposed:
+                self.micro_batch_reason = f"agreed with the other ranks (a smaller rank proposed {policy.micro})"
+            elif pending is not None:
+                self.micro_batch_reason = pending
+            self.micro_batch_size = policy.micro
+        return False, pressure
+
+    def _adapt(self, micro: int, peak: int, start_bytes: int, measured: bool, ooms: int) -> bool:
+        """Feed the attempt's outcome to the policy (its next micro-batch, not agreed yet). True on pressure."""
+        policy = self.policy
+        pressure = False
+        if self.lengths is not None:  # the next step is sized by its own length: no growth here
+            return self.lengths.observe(peak, self._capacity()) if measured else False
+        if measured and self.config.adapt:
+            capacity = self._capacity()
+            self.fit.observe(micro, peak, start_bytes)
+            retries = _alloc_retries(self.device)
+            thrashing = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
+            self._alloc_retries = retries
+            pressure = peak > self.config.high_water * capacity or thrashing
+            # the next step begins where this attempt began (the gradients still held now are
+            # freed by the optimizer step's zero_grad), so this attempt's start is the base
+            max_fitting = self._max_fitting(measured, start_bytes)
+            if pressure:
+                self._relieve(micro, peak, capacity, thrashing, max_fitting, start_bytes)
+            else:
+                self._futile_warned = False
+                if ooms == 0:
+                    before = policy.micro
+                    policy.on_clean(max_fitting)
+                    if policy.micro > before:
+                        self._pending_reason = (f"grown from {before} after {self.config.grow_after} clean steps: "
+                                                "the memory fit has room for fewer micro-batches")
+                        predicted = self.fit.predict(policy.micro, start_bytes) or 0
+                        logger.info("growing the micro-batch %d -> %d (predicted peak %s of %s)",
+                                    before, policy.micro, format_bytes(predicted), format_bytes(capacity))
+        elif ooms == 0:
+            policy.on_clean(None)
+        return pressure
+
+    def _relieve(
+        self, micro: int, peak: int, capacity: int, thrashing: bool, max_fitting: int | None, start: int
+    ) -> None:
+        """Shrink after a step above the high-water mark, unless shrinking cannot help."""
+        policy = self.policy
+        # when the memory model says half the micro-batch peaks as high, shrinking only slows
+        # training down: weights and optimizer state, not activations, fill the memory
+        smaller = self.fit.predict(max(1, micro // 2), start)
+        if smaller is not None and smaller > self.config.high_water * capacity and not policy.on_probation:
+            if not self._futile_warned:  # once per episode, not every step
+                self._futile_warned = True
+                logger.warning(
+                    "memory pressure at micro-batch %d (peak %s of %s) that a smaller micro-batch "
+                    "would not relieve: fixed memory (weights, optimizer state) fills the device",
+                    micro, format_bytes(peak), format_bytes(capacity),
+                )
+            return
+        self._futile_warned = False
+        before = policy.micro
+        policy.on_pressure(max_fitting)
+        if policy.micro != before:
+            self._pending_reason = (f"shrunk from {before}: memory pressure ("
+                                       + ("CUDA allocator retries" if thrashing else "peak over the high-water mark")
+                                       + ")")
+        logger.warning(
+            "memory pressure at micro-batch %d (peak %s of %s%s); next micro-batch %d",
+            micro, format_bytes(peak), format_bytes(capacity),
+            ", allocator retries rising" if thrashing else "", policy.micro,
+        )
+
+
+def _per_rank_batch(global_batch_size: int, world_size: int) -> int:
+    """``global // world``, or BatchConfig's error (with the nearest valid global batches).
+
+    Raises:
+        ValueError: ``global_batch_size`` is not a multiple of ``world_size``.
+    """
+    try:
+        # BatchConfig owns the arithmetic and its error messages; only the division is checked
+        # here, since the engine's micro-batch need not divide the per-rank batch
+        BatchConfig(global_batch_size=global_batch_size, world_size=world_size)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}. global_batch_size is the batch over all {world_size} ranks; each rank trains on "
+            "an equal share of it"
+        ) from None
+    return global_batch_size // world_size
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _running_stat_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Buffers a forward pass mutates: BatchNorm / InstanceNorm running statistics."""
+    out = []
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats:
+            out += [b for b in (mod.running_mean, mod.running_var, mod.num_batches_tracked) if b is not None]
+    return out
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    # cudaMalloc failed, the allocator freed its cache and retried: thrashing just below an OOM
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def _default_coordinator(fsdp: bool = False) -> Coordinator:
+    """The distributed coordinator when a process group of several ranks is running, else the local one.
+
+    Without it each rank of a ``torchrun`` job would train the whole global batch and average
+    nothing: the silent world of one. A ``fully_shard`` model gets the FSDP coordinator on any
+    number of ranks (it also resets FSDP's state after an OOM).
+    """
+    if fsdp:
+        from ..dist.fsdp import FSDPCoordinator  # the layer above the engine, as distributed
+
+        return FSDPCoordinator()
+    if _dist_world_size() > 1:
+        # imported here: distributed is the layer above the engine
+        from ..dist.distributed import DistributedCoordinator
+
+        logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())
+        return DistributedCoordinator()
+    return LocalCoordinator()
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` has ``fully_shard`` modules (FSDP2), without importing batchpilot.dist.fsdp."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _dist_world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
