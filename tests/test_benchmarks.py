@@ -172,7 +172,7 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         for s in m["planner"]["sizes"]:
             assert s["predicted_allocated"] == s["measured_allocated"], (name, s)
         # one rank under FSDP2 takes its no-communication path: exact on two of the three models,
-        # 4.1% over on the 9-layer MLP (benchmarks/README.md); world 2 is exact (tests/test_fsdp.py)
+        # 4.1% over on the 9-layer MLP (benchmarks/README.md); world 2 is exact (tests/dist/test_fsdp.py)
         assert 0 <= m["fsdp_planner"]["error_allocated_pct"] < 5, (name, m["fsdp_planner"])
         f = m["finder"]
         assert 0 < f["batch_size"] <= f["true_max"], (name, f)  # target 1.0: never above the truth

@@ -136,7 +136,7 @@ def test_find_throughput_objective_json_and_plot(cli, tmp_path):
     assert all(t["samples_per_second"] > 0 and t["step_seconds"] > 0 for t in fits)
     assert all(t["samples_per_second"] is None for t in doc["trials"] if t["outcome"] != "fit")
     # the answer's figure is its own trial's (the choice among noisy timings is tested with an injected
-    # clock in tests/test_find_speed.py; a real clock here would make the test flaky)
+    # clock in tests/find/test_find_speed.py; a real clock here would make the test flaky)
     assert doc["samples_per_second"] in [t["samples_per_second"] for t in fits if t["batch_size"] == doc["batch_size"]]
     assert doc["reason"] and png_size(png) == report.FIGURE_SIZE_PX
     status, out, err = cli("find", "--model", "mlp", "--input-shape", "64", "--capacity", "4MiB", "--no-progress",

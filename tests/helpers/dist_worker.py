@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_distributed.py: runs the named scenarios in one launch.
+"""torchrun worker for tests/dist/test_distributed.py: runs the named scenarios in one launch.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 dist_worker.py OUT SCENARIO...
 

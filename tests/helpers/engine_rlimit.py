@@ -2,7 +2,7 @@
 
 50 steps at a global batch whose single forward/backward does not fit; the engine starts at the
 whole global batch and must shrink on the allocator's own error. Prints one JSON line that
-tests/test_engine_real_oom.py checks.
+tests/train/test_engine_real_oom.py checks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FSDP2 scenarios shared by the torchrun worker (tests/helpers/fsdp_worker.py) and tests/test_fsdp.py.
+"""FSDP2 scenarios shared by the torchrun worker (tests/helpers/fsdp_worker.py) and tests/dist/test_fsdp.py.
 
 The references run in one process without a process group, with the same model, data and
 optimizer, so a 2-rank sharded run and its single-process reference share their code.

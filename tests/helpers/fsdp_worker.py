@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_fsdp.py: runs the named FSDP2 scenarios in one launch.
+"""torchrun worker for tests/dist/test_fsdp.py: runs the named FSDP2 scenarios in one launch.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 fsdp_worker.py OUT SCENARIO...
 

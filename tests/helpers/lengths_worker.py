@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_engine_lengths_dist.py: the engine sized by length under DDP.
+"""torchrun worker for tests/train/test_engine_lengths_dist.py: the engine sized by length under DDP.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 lengths_worker.py OUT SCENARIO...
 

@@ -5,7 +5,7 @@
 Scenarios: ``equal`` (2-rank measurements and schedule decisions, to compare with the 1-rank
 accumulation path on the same global batches), ``ramp-save`` (a ramp stopped mid-way into a
 checkpoint, path in $RAMP_SAVE). The functions run the same in one process (world 1), which is
-how tests/test_noise_distributed.py computes the references. DDP objects live inside the
+how tests/train/test_noise_distributed.py computes the references. DDP objects live inside the
 functions, never at module level (torch 2.13 + gloo may abort at exit otherwise).
 """
 

@@ -1,6 +1,6 @@
 """Real CPU OOM under RLIMIT_AS: fail, recover, train smaller; then 20 cycles without leaking.
 
-Prints one JSON line that tests/test_oom.py checks.
+Prints one JSON line that tests/memory/test_oom.py checks.
 """
 
 from __future__ import annotations

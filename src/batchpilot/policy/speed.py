@@ -254,7 +254,7 @@ class ThroughputSearch:
 
     Example, ``T(b) = 0.05 + 0.001 b`` after a memory search timed 1, 14 and 2841 (982.7
     samples/s at 2841): 703 (where the line reaches 95% of that; it does), 616 (certifying
-    703: too slow) — the answer 703, in 2 more trials (``tests/test_speed.py``).
+    703: too slow) — the answer 703, in 2 more trials (``tests/policy/test_speed.py``).
 
     Raises:
         ValueError: ``tolerance`` outside [0, 0.5), ``resolution`` outside (0, 0.5) or

@@ -16,7 +16,7 @@ import pytest
 
 from cgroup import cgroup_unavailable_reason, memory_cgroup
 
-HELPER = Path(__file__).resolve().parent / "helpers" / "find_real.py"
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "find_real.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONUNBUFFERED="1")
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 from dist_launch import ROOT, torchrun_nodes  # noqa: E402
 

@@ -26,7 +26,7 @@ from batchpilot.plan.planner import estimate_peak_memory, plan_batch_size
 from batchpilot.plan.result import PlanningError
 from batchpilot.train.engine import Engine, EngineConfig, LocalCoordinator
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 import fsdp_common as fc  # noqa: E402
 from dist_launch import assert_params_close, read_result, torchrun  # noqa: E402

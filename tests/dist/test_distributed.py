@@ -21,7 +21,7 @@ from torch import nn
 from batchpilot.dist import distributed as bd, gradsync
 from batchpilot.train.engine import Coordinator
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 import dist_common as dc  # noqa: E402
 from dist_launch import ROOT, assert_params_close, read_result, teardown_abort_only, torchrun  # noqa: E402

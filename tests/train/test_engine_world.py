@@ -3,7 +3,7 @@
 ``global_batch_size`` is the batch over all ranks; each rank steps on ``global // world``. A
 coordinator that reports a world size but agrees locally stands in for the ranks here (no
 process group): the arithmetic, the errors, the checkpoints and the calls the engine makes
-are the same as under torchrun (tests/test_distributed.py runs the real thing).
+are the same as under torchrun (tests/dist/test_distributed.py runs the real thing).
 """
 
 from __future__ import annotations

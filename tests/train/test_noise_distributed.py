@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 import noise_worker as nw  # noqa: E402
 from dist_launch import read_result, torchrun  # noqa: E402

@@ -168,7 +168,7 @@ def test_a_ramped_global_batch_is_sized_by_memory_not_by_the_first_steps_batch()
 
 
 def test_what_several_ranks_learnt_is_applied_once_the_most_cautious_of_each_kind() -> None:
-    """The merge under torchrun (tests/test_engine_lengths_dist.py runs it for real): the events of
+    """The merge under torchrun (tests/train/test_engine_lengths_dist.py runs it for real): the events of
     two ranks that saw the same step derate once, by the stronger factor, and correct once per length."""
     engines = [_train(_model(), _batches([64]), LengthConfig())[0] for _ in range(2)]
     merged, one_by_one = (e.lengths for e in engines)
