@@ -53,7 +53,9 @@ from batchpilot.app.models import MLP, SmallCNN, example_batch  # noqa: E402
 from batchpilot.policy.schedule import AdaptiveSchedule, RampSchedule  # noqa: E402
 from batchpilot.train.data import ElasticBatchSampler  # noqa: E402
 from batchpilot.train.engine import Engine  # noqa: E402
-from batchpilot.train.noise import DEFAULT_BETA, NoiseConfig, NoiseMeter, population_factor, unbiased_estimates  # noqa: E402
+from batchpilot.train.noise import (  # noqa: E402
+    DEFAULT_BETA, NoiseConfig, NoiseMeter, population_factor, unbiased_estimates,
+)
 
 PARTS = ("accuracy", "tracking", "benefit", "cost")
 EMA_BETAS = (0.95, 0.99)  # the defaults of `every` and `first`

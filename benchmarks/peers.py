@@ -98,8 +98,8 @@ CONTAINER_COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs",
 # Imported once by the fork server, so that every measurement starts with them loaded.
 # torch._dynamo (and sympy with it, ~100 MB) is what the first optimizer step imports: without
 # it here every child of a server without Lightning would pay it, and in a cgroup that counts.
-PRELOAD = ("torch", "torch._dynamo", "_harness", "peers", "batchpilot.find.finder", "batchpilot.app.report", "lightning",
-           "lightning.pytorch.tuner", "accelerate", "accelerate.utils")
+PRELOAD = ("torch", "torch._dynamo", "_harness", "peers", "batchpilot.find.finder", "batchpilot.app.report",
+           "lightning", "lightning.pytorch.tuner", "accelerate", "accelerate.utils")
 # A peer is preloaded only when one of its methods runs: Lightning's imports add about 140 MB of
 # resident memory to every child (measured 2026-12-01: 297 MB with torch alone, 435 MB with
 # Lightning, 303 MB with Accelerate), which a child without a capacity counts as its own.

@@ -168,7 +168,8 @@ class BatchSetup:
 
 
 def lr_rule_for(rule: str, optimizer: Any) -> str:
-    """The rule :func:`batchpilot.train.batching.scale_lr` applies: ``"auto"`` is sqrt for adaptive optimizers, else linear."""
+    """The rule :func:`batchpilot.train.batching.scale_lr` applies: ``"auto"`` is sqrt for adaptive optimizers,
+    else linear."""
     if rule != "auto":
         return rule
     return "sqrt" if is_adaptive(optimizer) else "linear"

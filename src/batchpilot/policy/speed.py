@@ -328,7 +328,8 @@ class ThroughputSearch:
 
 
 def timed_fits(trials: Iterable[Any], upto: int | None = None) -> dict[int, float]:
-    """``{batch size: seconds per step}`` of the trials (:class:`~batchpilot.policy.search.Trial`) that fitted and were timed.
+    """``{batch size: seconds per step}`` of the trials (:class:`~batchpilot.policy.search.Trial`) that fitted
+    and were timed.
 
     ``upto``: only sizes at most this.
     """

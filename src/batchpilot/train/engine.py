@@ -372,8 +372,8 @@ class Engine:
         if isinstance(schedule, str):
             schedule = parse_schedule(schedule)
         if schedule is not None and not isinstance(schedule, BatchSchedule):
-            raise TypeError(f"schedule must be a batchpilot.policy.schedule.BatchSchedule or its spec (\"ramp:32,32,10000\"), "
-                            f"got {type(schedule).__name__}")
+            raise TypeError(f"schedule must be a batchpilot.policy.schedule.BatchSchedule or its spec "
+                            f"(\"ramp:32,32,10000\"), got {type(schedule).__name__}")
         self.schedule: BatchSchedule | None = schedule
         self.noise_meter: NoiseMeter | None = make_meter(
             noise, world=self._world, coordinator=self.coordinator,
@@ -795,7 +795,8 @@ class Engine:
         logger.info("%s", self.describe())
 
     def _choose_split(self, largest: int) -> None:
-        """The initial micro-batch: :func:`~batchpilot.policy.speed.choose_split` under ``largest``, timed by the plan."""
+        """The initial micro-batch: :func:`~batchpilot.policy.speed.choose_split` under ``largest``, timed by the
+        plan."""
         plan = self.plan
         if plan is not None:
             # a throughput plan answers a smaller batch; the engine splits a fixed batch, so the
@@ -872,8 +873,7 @@ class Engine:
             batchpilot.policy.search.NothingFitsError: not even the smallest batch fits (with several
                 ranks: on any rank; then it is raised on every rank, naming that rank).
         """
-        # imported here, not at module level: distributed is the layer above the engine (its
-        # coordinator is the engine's hook), so the engine takes no import-time dependency on it
+        # imported here, on first use: a plain training script does not load the distributed layer
         from ..dist.distributed import find_batch_size_distributed, unwrap_model
 
         inner = unwrap_model(self.model)
@@ -1322,11 +1322,11 @@ def _default_coordinator(fsdp: bool = False) -> Coordinator:
     number of ranks (it also resets FSDP's state after an OOM).
     """
     if fsdp:
-        from ..dist.fsdp import FSDPCoordinator  # the layer above the engine, as distributed
+        from ..dist.fsdp import FSDPCoordinator  # on first use, as distributed
 
         return FSDPCoordinator()
     if _dist_world_size() > 1:
-        # imported here: distributed is the layer above the engine
+        # imported here, on first use: a plain training script does not load the distributed layer
         from ..dist.distributed import DistributedCoordinator
 
         logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())

@@ -546,7 +546,8 @@ def make_meter(noise: bool | NoiseConfig, *, world: int, coordinator: Any, follo
     if noise is True:
         noise = NoiseConfig(mode="first" if follower is None else "every")
     if not isinstance(noise, NoiseConfig):
-        raise TypeError(f"noise must be True, False or a batchpilot.train.noise.NoiseConfig, got {type(noise).__name__}")
+        raise TypeError(f"noise must be True, False or a batchpilot.train.noise.NoiseConfig, "
+                        f"got {type(noise).__name__}")
     if world > 1 and not (hasattr(coordinator, "sync_gradients_and_sum") and hasattr(coordinator, "sum_over_ranks")):
         message = (f"{type(coordinator).__name__} over {world} ranks cannot sum the noise scale's norms "
                    "(no sync_gradients_and_sum / sum_over_ranks)")
