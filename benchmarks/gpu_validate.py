@@ -63,10 +63,10 @@ from speed import geometric_sizes, interleaved_sweep  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.core.compiled import CompileCounter, mark_batch_dynamic  # noqa: E402
 from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.find.finder import find_batch_size
+from batchpilot.find.finder import find_batch_size  # noqa: E402
 from batchpilot.find.front import find_batch_size_for  # noqa: E402
 from batchpilot.plan.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
-from batchpilot.memory.probes import emulate_capacity, track_peak
+from batchpilot.memory.probes import emulate_capacity, track_peak  # noqa: E402
 from batchpilot.memory.units import format_bytes, parse_bytes  # noqa: E402
 from batchpilot.app.models import MLP  # noqa: E402
 from batchpilot.train.noise import NoiseConfig  # noqa: E402

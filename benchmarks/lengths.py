@@ -45,7 +45,7 @@ from _harness import machine  # noqa: E402
 from batchpilot import Engine, EngineConfig, find_batch_size_for  # noqa: E402
 from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.train.lengths import LengthConfig  # noqa: E402
-from batchpilot.memory.probes import emulate_capacity
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 from batchpilot.memory.units import format_bytes, parse_bytes  # noqa: E402
 from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch  # noqa: E402
 from batchpilot.core.seqbatch import trim_batch  # noqa: E402

@@ -47,9 +47,9 @@ from _harness import machine  # noqa: E402
 
 from batchpilot.app.report import format_table, write_json  # noqa: E402
 from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
-from batchpilot.find.finder import find_batch_size
+from batchpilot.find.finder import find_batch_size  # noqa: E402
 from batchpilot.core.batch import make_batch_fn  # noqa: E402
-from batchpilot.memory.units import format_bytes, parse_bytes
+from batchpilot.memory.units import format_bytes, parse_bytes  # noqa: E402
 from batchpilot.memory.probes import track_peak  # noqa: E402
 from batchpilot.app.models import MODEL_NAMES, build_model, example_batch  # noqa: E402
 from batchpilot.find.snapshot import StateSnapshot  # noqa: E402

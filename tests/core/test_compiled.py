@@ -15,6 +15,7 @@ from torch import nn
 
 import batchpilot as bp
 from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
+from batchpilot.core.batch import BatchLayout
 from batchpilot.core.compiled import (
     compilations, compiled_floor, compiled_modules, eager_while_tracked, is_compiled, mark_batch_dynamic,
     no_single_tail,
@@ -120,7 +121,7 @@ def test_is_compiled_finds_wrapped_in_place_and_nested_modules():
 
 def test_mark_batch_dynamic_marks_per_sample_tensors_only():
     batch = {"ids": torch.zeros(8, 5, dtype=torch.long), "positions": torch.arange(8), "mask": torch.ones(8, 5)}
-    mark_batch_dynamic(batch, bp.batch.BatchLayout.of(shared={"positions"}))
+    mark_batch_dynamic(batch, BatchLayout.of(shared={"positions"}))
     marked = {k for k, t in batch.items() if 0 in getattr(t, "_dynamo_weak_dynamic_indices", ())}
     assert marked == {"ids", "mask"}
 
@@ -128,7 +129,7 @@ def test_mark_batch_dynamic_marks_per_sample_tensors_only():
 def test_mark_batch_dynamic_marks_the_tokens_dim_where_it_is_the_padded_length():
     batch = {"ids": torch.zeros(4, 12, dtype=torch.long), "labels": torch.zeros(4, 12), "cls": torch.zeros(4, 3),
              "positions": torch.arange(12)}
-    mark_batch_dynamic(batch, bp.batch.BatchLayout.of(shared={"positions"}), seq_dim=1)
+    mark_batch_dynamic(batch, BatchLayout.of(shared={"positions"}), seq_dim=1)
     dims = {k: getattr(t, "_dynamo_weak_dynamic_indices", set()) for k, t in batch.items()}
     assert dims == {"ids": {0, 1}, "labels": {0, 1}, "cls": {0}, "positions": set()}
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist_common as dc  # noqa: E402
 from scenario_main import run_scenarios  # noqa: E402
 
-from batchpilot import Engine, EngineConfig, LengthConfig
+from batchpilot import Engine, EngineConfig, LengthConfig  # noqa: E402
 from batchpilot.dist import distributed as bd  # noqa: E402
 from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch  # noqa: E402
 from batchpilot.memory.probes import emulate_capacity  # noqa: E402
