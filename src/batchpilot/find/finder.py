@@ -23,6 +23,7 @@ from torch import nn
 from .._checks import check_int, positive_int
 from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
+from ..memory.host import pin_malloc_threshold
 from ..memory.oom import attempt, free_memory
 from ..memory.probes import emulate_capacity, get_probe, track_peak
 from ..memory.tracker import active_tracker
@@ -38,6 +39,7 @@ from ..policy.search import (
     SearchPolicy,
     SearchResult,
     SearchSpace,
+    TensorModel,
     Trial,
     fit_line,
     make_policy,
@@ -254,42 +256,54 @@ def find_batch_size(
     ambient = None if emulated else _ambient_capacity(dev)
     gauge = gauge_for(dev, emulated_capacity=cfg.capacity if emulated else ambient)
     tol = cfg.tolerance if cfg.tolerance is not None else (0.0 if gauge.kind == "tensors" else _REAL_TOLERANCE)
-    policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size,
-                         tolerance=tol)
     started = time.perf_counter()
     compiles = CompileCounter()
     compiled = is_compiled(*targets)
     # a tracker (an emulated CPU capacity) runs compiled code eagerly: batchpilot.core.compiled
     run_compiled = compiled and gauge.kind != "tensors"
+    # on a host the tensors are modelled from two tiny trials (a tracker cannot see inside compiled
+    # code, and ranks in lockstep must not each follow a model of their own)
+    modelled = gauge.host and not run_compiled and lockstep is None
+    policy = make_policy(cfg.strategy, first_guess=cfg.first_guess, max_batch_size=cfg.max_batch_size,
+                         tolerance=tol, modelled=modelled)
     if compiled and not run_compiled:
         logger.warning("the model is compiled, but under an emulated CPU capacity its trials run eagerly (a "
                        "dispatch-mode tracker cannot see inside compiled kernels): this is the eager program's "
                        "batch; leave capacity= out to measure the compiled program on real memory")
+    if gauge.host:
+        # before anything is measured: what a step needs must not depend on the sizes run before it
+        pin_malloc_threshold()
     free_memory(dev)
     spill = _spill(cfg.snapshot, gauge, targets)
     snap = StateSnapshot(targets, spill=spill)
     bar = None
+    verified: list[Trial] = []
     try:
         with contextlib.ExitStack() as stack:
             if emulated:
                 stack.enter_context(emulate_capacity(cfg.capacity, dev, track=targets))
             cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
+            # on a host the margin is taken on what the job can still grow into, not on the
+            # runtime, libraries and model already resident: see host_limit
+            base = int(gauge.current()) if gauge.host else None
             # a compiled trial at 1 would compile a graph of its own: start at 2, try 1 only if 2 fails
             floor = compiled_floor(cfg.min_batch_size, cfg.max_batch_size) if run_compiled else cfg.min_batch_size
             space = SearchSpace(
-                limit_bytes=int(cfg.target * cap), capacity_bytes=cap,
+                limit_bytes=_limit(cfg.target, cap, base), capacity_bytes=cap,
                 min_batch_size=floor, max_batch_size=cfg.max_batch_size,
             )
             if lockstep is not None:
                 space = lockstep.agree_space(space)  # one search for every rank: the smallest device
             logger.info(
-                "finding the batch size on %s: strategy %s, %s memory, limit %s (%.0f%% of %s)%s",
-                dev, policy.name, gauge.kind, format_bytes(space.limit_bytes), 100 * cfg.target,
-                format_bytes(cap), f", bound by {gauge.limits.binding}" if gauge.host else "",
+                "finding the batch size on %s: strategy %s, %s memory, limit %s (%s)%s",
+                dev, policy.name, gauge.kind, format_bytes(space.limit_bytes),
+                f"{100 * cfg.target:.0f}% of {format_bytes(cap)}" if base is None else
+                f"{format_bytes(base)} in use + {100 * cfg.target:.0f}% of the {format_bytes(cap - base)} left",
+                f", bound by {gauge.limits.binding}" if gauge.host else "",
             )
             bar = _progress_bar(cfg.progress, policy.name)
             trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap, lockstep,
-                                    breakdown=not run_compiled, timed_steps=cfg.timed_steps)
+                                    breakdown=not run_compiled, timed_steps=cfg.timed_steps, model=modelled)
 
             def report(t: Trial) -> None:
                 _log_trial(t, len(trial_fn.done), trial_fn.space)
@@ -298,8 +312,8 @@ def find_batch_size(
                     bar.set_postfix(batch=t.batch_size, outcome=t.outcome)
 
             trial_fn.space = space
-            learner = _CapacityLearner(cfg.target, estimated=gauge.host)
-            revise = lambda sp, t: _trial_space(trial_fn, learner(sp, t))  # noqa: E731
+            learner = _CapacityLearner(cfg.target, estimated=gauge.host and gauge.binding != "rlimit_as", base=base)
+            revise = lambda sp, t: _trial_space(trial_fn, trial_fn.modelled(learner(sp, t) or sp, t))  # noqa: E731
             if run_compiled:
                 warm_up(step, floor, device=dev, after=snap.restore)  # compile before anything is measured
             result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report, revise=revise)
@@ -311,27 +325,36 @@ def find_batch_size(
                 search_throughput(result.trials, trial_fn, lowest=cfg.min_batch_size, highest=result.batch_size,
                                   tolerance=cfg.speed_tolerance, max_trials=cfg.max_trials, on_trial=report,
                                   retime=trial_fn.retime)
+            answer, reason = _answer(result.trials, result.batch_size, result.stop_reason, cfg)
+            largest, stop_reason = result.batch_size, result.stop_reason
+            if answer is not None and lockstep is None:
+                checked = _verify(answer, trial_fn, learner, report, floor=cfg.min_batch_size, tolerance=tol)
+                verified, space = checked.trials, trial_fn.space
+                if checked.batch_size != answer:
+                    answer, largest, stop_reason = checked.batch_size, checked.batch_size, "verification"
+                    reason = "the largest that ran again after the search's last OOM" if answer is not None else ""
     finally:
         if bar is not None:
             bar.close()
         snap.restore()
         snap.close()
         free_memory(dev)
-    if result.batch_size is None:
-        raise _nothing_fits(result.trials, space, dev, result.stop_reason)
+    if answer is None:
+        trials = [*result.trials, *verified]
+        raise _nothing_fits(trials, space, dev, "nothing_fits" if verified else result.stop_reason)
     line = fit_line(result.trials, space.limit_bytes)
     tensor_line = _tensor_line(result.trials) if gauge.host else None
-    answer, reason = _answer(result.trials, result.batch_size, result.stop_reason, cfg)
     plan = BatchPlan(
         batch_size=answer, target=float(cfg.target), capacity=int(space.capacity_bytes),
-        limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=result.trials,
+        limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=[*result.trials, *verified],
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
-        seconds=time.perf_counter() - started, stop_reason=result.stop_reason,
+        seconds=time.perf_counter() - started, stop_reason=stop_reason,
         steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
         tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.host else None,
         snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
         compiled=compiled, compiled_trials=run_compiled, compilations=compiles.count,
-        objective=cfg.objective, speed_tolerance=cfg.speed_tolerance, largest_fitting=result.batch_size,
+        objective=cfg.objective, speed_tolerance=cfg.speed_tolerance, largest_fitting=largest,
+        verified=bool(verified), base_bytes=base,
         time_fit=fit_time(timed_fits(result.trials)), reason=reason,
     )
     if result.stop_reason == "max_trials":
@@ -385,6 +408,104 @@ def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: Fin
     return choice.batch_size, choice.reason
 
 
+def _limit(target: float, capacity: int, base: int | None) -> int:
+    """The most a trial may peak at: ``target`` of the capacity, or on a host of what is left above ``base``.
+
+    On a device (and under an emulated capacity) the margin is a share of the whole memory, as
+    PyTorch's memory fraction is. On a host the process already holds its runtime, libraries,
+    model and data (``base``, hundreds of MB before any step); a margin on the whole would be
+    taken mostly from what the step can grow into, so there it is a share of the headroom:
+    ``base + target × (capacity - base)``.
+    """
+    if base is None or base >= capacity:
+        return max(1, int(target * capacity)) if base is None else max(1, capacity)
+    return max(1, base + int(target * (capacity - base)))
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What :func:`_verify` settled on (``None``: nothing ran) and the trials it ran."""
+
+    batch_size: int | None
+    trials: list[Trial]
+
+
+#: verification runs before the finder stops stepping down by the line and halves instead
+_LINE_STEPS = 3
+
+
+def _verify(answer: int, runner: _TrialRunner, learner: _CapacityLearner, report: Callable[[Trial], None], *,
+            floor: int, tolerance: float) -> _Checked:
+    """Run ``answer`` again in the state the search leaves, when the search left room for doubt.
+
+    The answer must have run after the last thing that could change what it needs: an OOM
+    (on real memory it can leave allocator caches, JIT code and fragmented heap behind, and a
+    caching allocator's freed blocks) after the answer's last run, or an answer whose peak came
+    within ``tolerance`` of the capacity. Such an answer is run again, after the restore; if it
+    no longer fits the finder steps down -- along the memory line, by at least the shortfall
+    the failure shows -- and runs that size, until one fits.
+    """
+    trials = list(runner.done)
+    if runner.gauge.kind == "tensors" or not _doubtful(answer, trials, runner.space, tolerance):
+        return _Checked(answer, [])
+    free_memory(runner.device)  # a caching allocator's blocks go back first: the state training starts from
+    done: list[Trial] = []
+    b: int | None = answer
+    tried: set[int] = set()
+    while b is not None:
+        tried.add(b)
+        t = runner(b)
+        report(t)
+        done.append(t)
+        revised = learner(runner.space, t)
+        if revised is not None:
+            runner.space = revised
+        if t.outcome == OOM or (t.measured and t.peak_bytes > runner.space.limit_bytes):
+            if t.measured:
+                t.outcome = OVER_TARGET
+            b = _step_down(b, [*trials, *done], runner.space, tolerance, floor, tried, len(done))
+            continue
+        logger.info("batch %d ran again after the search%s", b, "" if b == answer else f" (not {answer})")
+        return _Checked(b, done)
+    return _Checked(None, done)
+
+
+def _doubtful(answer: int, trials: list[Trial], space: SearchSpace, tolerance: float) -> bool:
+    """True when ``answer`` has not run since the last OOM, or ran within ``tolerance`` of the capacity."""
+    last_run = max((i for i, t in enumerate(trials) if t.batch_size == answer and t.measured), default=-1)
+    last_oom = max((i for i, t in enumerate(trials) if t.outcome == OOM), default=-1)
+    if last_oom > last_run:
+        return True
+    peak = trials[last_run].peak_bytes if last_run >= 0 else None
+    margin = max(1, int(tolerance * space.capacity_bytes))
+    return peak is None or peak >= space.capacity_bytes - margin
+
+
+def _step_down(b: int, trials: list[Trial], space: SearchSpace, tolerance: float, floor: int,
+               tried: set[int], attempts: int) -> int | None:
+    """The next size to verify below ``b``: on the memory line under the limit, lowered by what ``b`` showed."""
+    if b <= floor:
+        return None
+    step = max(1, int(b * max(tolerance, 0.01)))
+    guess = b - step
+    line = fit_line([t for t in trials if t.measured and t.batch_size != b] or trials)
+    if attempts <= _LINE_STEPS and line is not None and line[1] > 0:
+        # the failure shows the final state lacks at least what b's peak in the search left free
+        measured = [t.peak_bytes for t in trials if t.batch_size == b and t.measured and t.peak_bytes]
+        shortfall = max(0, space.capacity_bytes - max(measured)) if measured else 0
+        target = space.limit_bytes - shortfall - int(tolerance * space.capacity_bytes)
+        solved = int((target - line[0]) // line[1])
+        guess = min(guess, solved)
+    elif attempts > _LINE_STEPS:
+        guess = min(guess, b // 2)
+    guess = max(floor, guess)
+    while guess in tried and guess > floor:
+        guess -= 1
+    return None if guess in tried else guess
+
+
+#: a trial whose first step's tensor peak is this far off the model's drops the model
+_MODEL_ERROR = 0.02
 #: predict's relative tolerance on real memory (see ``tolerance``)
 _REAL_TOLERANCE = 0.02
 #: a snapshot this share of the headroom or more goes to disk on a real CPU (``snapshot="auto"``)
@@ -424,8 +545,8 @@ class _CapacityLearner:
     the capacity is at least that peak. The limit follows as ``target × capacity``.
     """
 
-    def __init__(self, target: float, estimated: bool) -> None:
-        self.target, self.estimated = target, estimated
+    def __init__(self, target: float, estimated: bool, base: int | None = None) -> None:
+        self.target, self.estimated, self.base = target, estimated, base
         self.below: int | None = None  # the lowest OOM bound: the capacity is under it
 
     def __call__(self, space: SearchSpace, trial: Trial) -> SearchSpace | None:
@@ -446,7 +567,7 @@ class _CapacityLearner:
         return None
 
     def _space(self, space: SearchSpace, capacity: int) -> SearchSpace:
-        return dataclasses.replace(space, capacity_bytes=capacity, limit_bytes=max(1, int(self.target * capacity)))
+        return dataclasses.replace(space, capacity_bytes=capacity, limit_bytes=_limit(self.target, capacity, self.base))
 
 
 def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
@@ -467,7 +588,7 @@ class _TrialRunner:
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
                  steps: int, targets: list[Any], snapshot: StateSnapshot, lockstep: Any = None, *,
-                 breakdown: bool = True, timed_steps: int = 0) -> None:
+                 breakdown: bool = True, timed_steps: int = 0, model: bool = False) -> None:
         self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
         # no breakdown tracker for a compiled step: under it the step would run eagerly
         self.breakdown = breakdown
@@ -476,6 +597,35 @@ class _TrialRunner:
         self.space: SearchSpace | None = None
         self.done: list[Trial] = []
         self._untimed_warned = False
+        # the tensor model (host memory): the timelines of the first two sizes that ran, per step
+        self._model = model and breakdown
+        self._timelines: dict[int, tuple[list[int], list[int]]] = {}
+        self._first_step: TensorModel | None = None
+
+    def modelled(self, space: SearchSpace, trial: Trial) -> SearchSpace:
+        """``space`` with the tensor model once two small trials gave one; without it once a trial contradicts it."""
+        if not self._model:
+            return space
+        if space.tensors is None and len(self._timelines) >= 2:
+            (b1, (f1, s1)), (b2, (f2, s2)) = list(self._timelines.items())[:2]
+            first, steady = TensorModel.from_timelines(b1, f1, b2, f2), TensorModel.from_timelines(b1, s1, b2, s2)
+            self._model = False  # built once, or never
+            if first is None or steady is None:
+                logger.info("the step allocates differently at batch %d and %d: searching on real peaks alone",
+                            b1, b2)
+                return space
+            self._model, self._first_step = True, first
+            model = TensorModel.union(first, steady)
+            logger.info("tensor model from batch %d and %d: %s at batch %d", b1, b2, format_bytes(model(b2)), b2)
+            return dataclasses.replace(space, tensors=model)
+        if space.tensors is not None and trial.tensor_bytes is not None and self._first_step is not None:
+            expected = self._first_step(trial.batch_size)
+            if abs(trial.tensor_bytes - expected) > _MODEL_ERROR * max(expected, 1):
+                logger.info("batch %d held %s of tensors where the model said %s: searching on real peaks alone",
+                            trial.batch_size, format_bytes(trial.tensor_bytes), format_bytes(expected))
+                self._model = False
+                return dataclasses.replace(space, tensors=None)
+        return space
 
     def __call__(self, batch_size: int) -> Trial:
         trial = self._run(batch_size)
@@ -502,8 +652,12 @@ class _TrialRunner:
         def one_step() -> None:
             self.step(batch_size)
 
+        record = self._model and len(self._timelines) < 2 and batch_size not in self._timelines
+
         def run() -> None:
-            # on a real CPU a tracker runs alongside for the breakdown (tensor bytes vs the rest)
+            if real and tracked:
+                self._host_steps(batch_size, one_step, holder, times, read, record)
+                return
             with track_peak(self.device, track=self.targets) if tracked else contextlib.nullcontext() as m:
                 holder.append(m)
                 for i in range(self.steps):
@@ -545,6 +699,7 @@ class _TrialRunner:
         outcome = attempt(run, device=self.device, on_oom=put_back)
         if not outcome.oom:
             put_back(oom=False)
+        end = None if base is None else int(self.gauge.current())
         peak = peaks[0]
         seconds = time.perf_counter() - began
         m = holder[0] if holder else None
@@ -554,7 +709,7 @@ class _TrialRunner:
         tensor_bytes = int(m.peak_bytes) if real and m is not None else None
         if outcome.oom:
             kind = OOM
-            bound = _oom_bound(peak, outcome)
+            bound = _oom_bound(peak, outcome, address_space=self.gauge.kind == "address_space")
             peak_bytes = bound if bound is not None else peak
         else:
             kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
@@ -564,8 +719,30 @@ class _TrialRunner:
         trial = Trial(batch_size=batch_size, outcome=kind, peak_bytes=int(peak_bytes), start_bytes=start,
                       seconds=seconds, message=outcome.message if outcome.oom else None, tensor_bytes=tensor_bytes,
                       bound_bytes=bound, step_seconds=min(times) if kind == FIT and times else None,
-                      alloc_retries=None if retries is None or after is None else after - retries)
+                      alloc_retries=None if retries is None or after is None else after - retries, end_bytes=end)
         return trial
+
+    def _host_steps(self, batch_size: int, one_step: Callable[[], None], holder: list[Any], times: list[float],
+                    read: Callable[[], float], record: bool) -> None:
+        """A trial's steps on a host: the first under a tracker (its tensor peak, the model's check),
+        the rest as they run in training, timed; the first two sizes record both steps' timelines."""
+        lines: list[list[int]] = []
+        with track_peak(self.device, track=self.targets) as m:
+            tracker = active_tracker(self.device)
+            holder.append(m)
+            for i in range(self.steps if record else 1):
+                with tracker.recording() as timeline:
+                    one_step()
+                lines.append(timeline)
+                if i == 0:
+                    first_peak = m.peak_bytes
+        m.peak_bytes = first_peak  # the first step's: what the model's check compares
+        holder.append(self._steady_bytes())
+        for _ in range(len(lines), self.steps):
+            times.append(timed(one_step, self.gauge.synchronize, read))
+        if record and len(lines) >= 2:
+            self._timelines[batch_size] = (lines[0], lines[-1])
+        self._time_steps(times, one_step, False, read)
 
     def retime(self, batch_size: int) -> float | None:
         """A warm-up step and ``timed_steps`` timed ones at a size that fitted; the fastest, or ``None``.
@@ -639,17 +816,22 @@ class _TrialRunner:
         return max(0, int(self.gauge.current()) - sum(grads.values()))
 
 
-def _oom_bound(peak: int, outcome: Any) -> int | None:
+def _oom_bound(peak: int, outcome: Any, *, address_space: bool = False) -> int | None:
     """What an OOM proves the step needed, in the gauge's figure; ``None`` when its message is silent.
 
     The allocator's own figures where it states them (:attr:`~batchpilot.memory.oom.OOMReport.min_peak_bytes`:
     the process's device memory plus the request on CUDA, the live bytes plus the request under
-    emulation). Not on a real CPU: its allocator states only the request, and it fails on mapped
-    address space (``RLIMIT_AS``, overcommit), which the resident figure does not follow closely
-    enough for a bound; there an OOM only brackets the search.
+    emulation). A CPU allocator states only the request; under ``RLIMIT_AS``, where the gauge
+    counts the address space it ran out of, the bound is what was mapped when it failed plus
+    that request. Elsewhere on a CPU an OOM only brackets the search.
     """
     report = getattr(outcome, "report", None)
-    if report is None or report.backend == "cpu" or report.min_peak_bytes is None:
+    if report is None or report.min_peak_bytes is None:
+        return None
+    if report.backend == "cpu":
+        mapped = getattr(outcome, "mapped_bytes", None)
+        if address_space and report.requested_bytes and mapped is not None:
+            return mapped + report.requested_bytes
         return None
     return int(report.min_peak_bytes)
 

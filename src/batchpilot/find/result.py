@@ -32,15 +32,18 @@ class BatchPlan:
             fastest measured samples/s (``reason`` says which and why).
         target: the fraction of ``capacity`` the peak may use.
         capacity: device capacity in bytes (emulated or real).
-        limit_bytes: ``int(target × capacity)``; a fitting peak is at most this.
+        limit_bytes: ``int(target × capacity)`` (on a host, ``base_bytes + target × (capacity -
+            base_bytes)``); a fitting peak is at most this.
         strategy: the search policy's name.
         device: the device measured, e.g. ``"cuda:0"``.
         trials: every trial in order.
         fit: the line through the two measured trials nearest the boundary,
             or ``None`` with fewer than two measured trials.
         seconds: wall time of the whole search.
-        stop_reason: ``"boundary"`` (b fits, b + 1 does not), ``"max_batch_size"``,
-            ``"strategy"`` (power / decay stop before the boundary) or ``"max_trials"``.
+        stop_reason: ``"boundary"`` (b fits, b + 1 does not), ``"tolerance"`` (within the
+            tolerance of it), ``"max_batch_size"``, ``"strategy"`` (power / decay stop before the
+            boundary), ``"max_trials"``, or ``"verification"`` (the answer did not run again
+            after the search, and the finder stepped down to one that did).
         steps_per_trial: training steps run per trial.
         limited_by_rank: in a distributed search, the rank whose memory set the
             answer (filled in by the distributed layer).
@@ -72,6 +75,10 @@ class BatchPlan:
         time_fit: ``seconds per step ≈ fixed + per_sample × b`` through the timed trials that
             fitted, or ``None`` with fewer than two.
         reason: one line on why ``batch_size`` was chosen.
+        verified: the answer ran again after the search, in the state the search left (after its
+            last OOM, or with a peak near the capacity); the trials it took are the last ones.
+        base_bytes: on a host, the memory in use when the search began; the limit is
+            ``base_bytes + target × (capacity - base_bytes)``. ``None`` elsewhere.
     """
 
     batch_size: int
@@ -103,6 +110,8 @@ class BatchPlan:
     largest_fitting: int | None = None
     time_fit: TimeFit | None = None
     reason: str = ""
+    verified: bool = False
+    base_bytes: int | None = None
 
     @property
     def num_trials(self) -> int:

@@ -2,7 +2,9 @@
 
 * an emulated capacity: the tensor bytes a :class:`~batchpilot.memory.tracker.StorageTracker` counts
   on CPU, or the caching allocator's reserved bytes under a CUDA memory fraction;
-* a real CPU: the process's resident set against what limits it (:mod:`batchpilot.memory.host`);
+* a real CPU: the figure the binding host limit counts (:mod:`batchpilot.memory.host`): the address
+  space under ``RLIMIT_AS``, the container's charge under a memory cgroup, the resident set
+  against the available RAM without either;
 * a real CUDA / HIP device: reserved memory plus everything outside PyTorch (the context,
   other processes) against the device's total, which is what ``cudaMalloc`` runs out of;
 * MPS and XPU: the allocator's allocated bytes against the recommended / total memory.
@@ -15,18 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from .host import ResidentPeak, host_limits, resident_bytes
+from .host import ResidentPeak, address_space_bytes, address_space_peak, host_limits, resident_bytes
 from .probes import get_probe
 from .tracker import active_tracker
 
-__all__ = ["Gauge", "TensorGauge", "ResidentGauge", "DeviceGauge", "AllocatorGauge", "gauge_for"]
+__all__ = ["Gauge", "TensorGauge", "HostGauge", "DeviceGauge", "AllocatorGauge", "gauge_for"]
 
 
 class Gauge:
     """One figure of a device's memory: in use now, its peak since :meth:`reset`, and the capacity.
 
     Attributes:
-        kind: ``"tensors"``, ``"resident"``, ``"device"`` or ``"allocated"`` (for reports).
+        kind: ``"tensors"``, ``"address_space"``, ``"cgroup"``, ``"resident"``, ``"device"`` or
+            ``"allocated"`` (for reports).
         kills: going over the capacity kills the process instead of raising (a container).
     """
 
@@ -90,33 +93,78 @@ class TensorGauge(Gauge):
         self._tracker().reset_peak()
 
 
-class ResidentGauge(Gauge):
-    """The process's resident set against the tightest host limit (cgroup, ``RLIMIT_AS``, RAM)."""
+class HostGauge(Gauge):
+    """A real CPU: the figure that the limit binding this process counts, against that limit.
 
-    kind = "resident"
+    * ``RLIMIT_AS`` (``kind="address_space"``): the mapped address space (``VmSize``), which is
+      what an allocation past the limit fails on -- freed heap that glibc keeps mapped, JIT code
+      and thread arenas included, resident or not.
+    * a memory cgroup (``"cgroup"``): the container's working set (its charge less the page cache
+      the kernel reclaims before it kills), others' processes included.
+    * neither (``"resident"``): this process's resident set against what it holds plus the
+      available RAM.
+
+    Peaks: Linux keeps a resettable high-water mark of the resident set only. Under ``RLIMIT_AS``
+    the kernel's peak of the address space (``VmPeak``, not resettable) is exact whenever a
+    window rises above every earlier one; otherwise the window's peak is its starting address
+    space plus its resident growth (new memory is mapped and written together), never above
+    ``VmPeak``. In a cgroup the working set's peak is its start plus this process's resident
+    growth. The binding limit is the one with the least headroom when the gauge is made.
+    """
+
     host = True
+    _KINDS = {"rlimit_as": "address_space", "cgroup": "cgroup", "physical": "resident"}
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self._peak = ResidentPeak()
         self.limits = host_limits()
+        self.binding = self.limits.binding
+        self.kind = self._KINDS[self.binding]
+        self._start: tuple[int, int, int] | None = None  # (figure, resident, VmPeak) at reset
 
     @property
     def kills(self) -> bool:  # type: ignore[override]
         return self.limits.kills
 
     def capacity(self) -> int:
-        self.limits = host_limits()
-        return self.limits.capacity_bytes
+        self.limits = lim = host_limits()
+        if self.binding == "rlimit_as" and lim.rlimit_as_bytes is not None:
+            return lim.rlimit_as_bytes
+        if self.binding == "cgroup" and lim.cgroup_limit_bytes is not None:
+            return lim.cgroup_limit_bytes
+        return lim.resident_bytes + max(0, lim.available_bytes)
 
     def current(self) -> int:
+        if self.binding == "rlimit_as":
+            vm = address_space_bytes()
+            if vm is not None:
+                return vm
+        elif self.binding == "cgroup":
+            used = host_limits().cgroup_used_bytes
+            if used is not None:
+                return used
         return resident_bytes()
 
     def peak(self) -> int:
-        return self._peak.peak()
+        hwm = self._peak.peak()
+        if self.kind == "resident" or self._start is None:
+            return hwm
+        figure, rss, vm_peak = self._start
+        grown = figure + max(0, hwm - rss)
+        if self.binding == "rlimit_as":
+            now_peak = address_space_peak()
+            if now_peak is not None and now_peak > vm_peak:
+                return now_peak  # the window rose above every earlier peak: the kernel's figure is exact
+            grown = min(grown, vm_peak) if vm_peak else grown
+        return max(grown, self.current())
 
     def reset(self) -> None:
         self._peak.reset()
+        self._start = (self.current(), resident_bytes(), address_space_peak() or 0)
+
+    def close(self) -> None:
+        self._peak.close()
 
 
 class DeviceGauge(Gauge):
@@ -192,7 +240,7 @@ def gauge_for(device: torch.device, *, emulated_capacity: int | None = None) -> 
     capacity is (or will be) running when the gauge is read.
     """
     if device.type == "cpu":
-        return TensorGauge(device) if emulated_capacity is not None else ResidentGauge(device)
+        return TensorGauge(device) if emulated_capacity is not None else HostGauge(device)
     if device.type == "cuda":
         return DeviceGauge(device, emulated_capacity)
     return AllocatorGauge(device, emulated_capacity)

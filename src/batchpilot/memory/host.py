@@ -23,7 +23,10 @@ try:
 except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
-__all__ = ["HostLimits", "host_limits", "cgroup_dirs", "resident_bytes", "ResidentPeak", "trim_host_memory"]
+__all__ = [
+    "HostLimits", "host_limits", "cgroup_dirs", "resident_bytes", "address_space_bytes", "address_space_peak",
+    "ResidentPeak", "trim_host_memory", "pin_malloc_threshold", "malloc_threshold_pinned",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +64,19 @@ def resident_bytes() -> int:
     return 0
 
 
-def _address_space_bytes() -> int | None:
+def address_space_bytes() -> int | None:
+    """This process's mapped address space now (``VmSize``: what ``RLIMIT_AS`` counts); ``None`` off Linux."""
     text = _read("/proc/self/statm")
     return None if text is None else int(text.split()[0]) * _PAGE
+
+
+def address_space_peak() -> int | None:
+    """The largest address space this process has had (``VmPeak``); ``None`` off Linux.
+
+    The kernel keeps it from the process's start and offers no reset: a later peak shows only
+    when it rises above every earlier one.
+    """
+    return _status_kib("VmPeak")
 
 
 class ResidentPeak:
@@ -263,12 +276,18 @@ def host_limits() -> HostLimits:
         rlimit = None if soft == resource.RLIM_INFINITY else int(soft)
     return HostLimits(
         resident_bytes=resident_bytes(), cgroup_limit_bytes=limit, cgroup_used_bytes=used,
-        rlimit_as_bytes=rlimit, address_space_bytes=_address_space_bytes(), available_bytes=_available(),
+        rlimit_as_bytes=rlimit, address_space_bytes=address_space_bytes(), available_bytes=_available(),
     )
 
 
 _libc = None
 _trim_checked = False
+_pinned: bool | None = None
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: glibc's initial mmap threshold: blocks this large or larger get mappings of their own
+MMAP_THRESHOLD = 128 * 1024
 
 
 def trim_host_memory() -> float:
@@ -278,17 +297,58 @@ def trim_host_memory() -> float:
     mark after a large step; trimming makes the resident size measure what is live again. A no-op
     where the C library has no ``malloc_trim``.
     """
+    lib = _glibc()
+    if lib is None:
+        return 0.0
+    began = time.perf_counter()
+    lib.malloc_trim(0)
+    return time.perf_counter() - began
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has ``malloc_trim`` and ``mallopt``), else ``None``."""
     global _libc, _trim_checked
     if not _trim_checked:
         _trim_checked = True
         name = ctypes.util.find_library("c")
         try:
             lib = ctypes.CDLL(name) if name else None
-            _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else None
+            _libc = lib if lib is not None and hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
         except OSError:
             _libc = None
-    if _libc is None:
-        return 0.0
-    began = time.perf_counter()
-    _libc.malloc_trim(0)
-    return time.perf_counter() - began
+    return _libc
+
+
+def malloc_threshold_pinned() -> bool:
+    """True when glibc's mmap threshold is fixed in this process (by :func:`pin_malloc_threshold`
+    or by ``MALLOC_MMAP_THRESHOLD_`` in the environment), so freed large blocks leave the address space."""
+    return bool(_pinned) or "MALLOC_MMAP_THRESHOLD_" in os.environ
+
+
+def pin_malloc_threshold() -> bool:
+    """Fix glibc's mmap threshold at its initial 128 KiB for the rest of the process; True if this call did it.
+
+    By default glibc raises the threshold to the size of each large block freed (up to 32 MiB),
+    after which blocks of that size come from the heap, whose freed memory stays mapped: a
+    process's address space, and under ``RLIMIT_AS`` what it can still allocate, then depends on
+    the sizes it ran before. With the threshold fixed, every block of 128 KiB or more is a mapping
+    of its own, returned to the OS when freed, and a step needs the same memory whatever ran
+    before it -- a batch-size search does not change what the batch it answers needs. glibc
+    offers no way back to the dynamic threshold (``mallopt`` turns it off for good), so the
+    process keeps this setting. A no-op off glibc and where the environment already fixes the
+    threshold (``MALLOC_MMAP_THRESHOLD_``); freed heap is trimmed either way.
+    """
+    global _pinned
+    lib = _glibc()
+    if _pinned is not None or lib is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        trim_host_memory()
+        return False
+    # the trim threshold too: the dynamic rule raised it with the mmap threshold
+    _pinned = bool(lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        lib.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD))
+    if _pinned:
+        logger.info("glibc's mmap threshold fixed at %d KiB for this process: freed large blocks leave the "
+                    "address space, so what a step needs does not depend on what ran before it",
+                    MMAP_THRESHOLD // 1024)
+    trim_host_memory()
+    return _pinned

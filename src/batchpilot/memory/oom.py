@@ -19,7 +19,7 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 from .._checks import check_int
-from .host import trim_host_memory
+from .host import address_space_bytes, trim_host_memory
 
 __all__ = ["is_oom", "is_fatal_device_error", "free_memory", "attempt", "Attempt", "OOMReport", "parse_oom_message"]
 
@@ -391,12 +391,16 @@ class Attempt(Generic[T]):
         message: the OOM message's first line.
         report: the figures of the whole OOM message (:func:`parse_oom_message`); ``None``
             without an OOM or when the message states none that it recognises.
+        mapped_bytes: the process's address space when the error was raised, its memory still
+            held (what ``RLIMIT_AS`` compares with: a CPU allocator's failure asked for
+            ``report.requested_bytes`` on top of it); ``None`` without an OOM or off Linux.
     """
 
     result: T | None = None
     oom: bool = False
     message: str = ""
     report: OOMReport | None = None
+    mapped_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -424,6 +428,7 @@ def attempt(
     except BaseException as exc:
         if not is_oom(exc):
             raise
+        mapped = address_space_bytes()  # before the frames let go of the failed attempt's memory
         text = str(exc)
         message = text.splitlines()[0] if text else type(exc).__name__
     # Outside the except: the exception and its frames are gone now.
@@ -432,4 +437,4 @@ def attempt(
         on_oom()
     free_memory(device)
     logger.debug("recovered from OOM: %s", message)
-    return Attempt(oom=True, message=message, report=report)
+    return Attempt(oom=True, message=message, report=report, mapped_bytes=mapped)

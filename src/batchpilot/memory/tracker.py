@@ -72,6 +72,7 @@ class StorageTracker(TorchDispatchMode):
         self._partial: set[int] = set()
         # the open track_peak regions (probes.PeakMeasurement), whose peak_bytes this raises
         self._windows: list[Any] = []
+        self._timelines: list[list[int]] = []
         self._lock = threading.Lock()
         # per thread: another thread's operators are still device memory while one thread pauses
         self._pause = threading.local()
@@ -90,6 +91,8 @@ class StorageTracker(TorchDispatchMode):
         for w in self._windows:
             if self.live > w.peak_bytes:
                 w.peak_bytes = self.live
+        for timeline in self._timelines:
+            timeline.append(self.live)
 
     def _storage(self, t: Any) -> torch.UntypedStorage | None:
         if not isinstance(t, torch.Tensor) or t.device != self.device:
@@ -127,6 +130,21 @@ class StorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.live
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[int]]:
+        """Record the live bytes after every operator that allocates in the block: its timeline.
+
+        Two runs of one step at different batch sizes give a :class:`~batchpilot.search.TensorModel`.
+        """
+        timeline: list[int] = []
+        with self._lock:
+            self._timelines.append(timeline)
+        try:
+            yield timeline
+        finally:
+            with self._lock:
+                self._timelines.remove(timeline)
 
     @property
     def is_paused(self) -> bool:

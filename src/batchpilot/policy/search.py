@@ -24,6 +24,7 @@ __all__ = [
     "BatchSizeError",
     "NothingFitsError",
     "Trial",
+    "TensorModel",
     "SearchSpace",
     "SearchPolicy",
     "PredictPolicy",
@@ -105,6 +106,9 @@ class Trial:
             others, and keeps the median of its visits' fastest steps.
         alloc_retries: CUDA allocator retries during the trial (cudaMalloc failed, the cache was
             freed and the allocation retried: thrashing just below an OOM); ``None`` elsewhere.
+        end_bytes: on real memory, the figure once the trial was put back (state restored, garbage
+            collected, caches released): ``end_bytes - start_bytes`` is what the trial left behind
+            (JIT code for a new shape, heap the allocator keeps). ``None`` elsewhere.
     """
 
     batch_size: int
@@ -117,6 +121,7 @@ class Trial:
     bound_bytes: int | None = None
     step_seconds: float | None = None
     alloc_retries: int | None = None
+    end_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in _OUTCOMES:
@@ -142,6 +147,79 @@ class Trial:
         return {**asdict(self), "samples_per_second": self.samples_per_second}
 
 
+@dataclass(frozen=True)
+class TensorModel:
+    """A step's tensor bytes at any batch size, from the allocation timelines of two small ones.
+
+    A storage tracker records the live tensor bytes after every allocation of a step. Run at
+    two batch sizes, the same program allocates in the same order, each allocation affine in the
+    batch size, so the live bytes at every moment are a line in ``b``, and the step's peak is the
+    highest of those lines: ``peak(b) = max_i (fixed_i + per_sample_i × b)``. The upper envelope
+    is exact where the timelines align, kinks included (the optimizer step's fixed peak giving way
+    to the activations' growing one), so two trials at tiny sizes size the tensors at any size.
+
+    Attributes:
+        lines: ``(fixed_bytes, bytes_per_sample)`` of the envelope's lines, slope ascending.
+    """
+
+    lines: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def from_timelines(cls, b1: int, t1: Sequence[int], b2: int, t2: Sequence[int]) -> TensorModel | None:
+        """The envelope of two timelines at batch sizes ``b1 != b2``; ``None`` when they do not align."""
+        if b1 == b2 or not t1 or len(t1) != len(t2):
+            return None
+        lines = [(x - (y - x) / (b2 - b1) * b1, (y - x) / (b2 - b1)) for x, y in zip(t1, t2)]
+        return cls(lines=_upper_envelope(lines))
+
+    @classmethod
+    def union(cls, *models: TensorModel) -> TensorModel:
+        """The model of the higher of several models at every size (e.g. a trial's two steps)."""
+        return cls(lines=_upper_envelope([line for m in models for line in m.lines]))
+
+    def __call__(self, b: float) -> float:
+        return max(a + c * b for a, c in self.lines)
+
+    def solve(self, bytes_: float) -> int | None:
+        """The largest batch size whose modelled peak is at most ``bytes_``; ``None`` when not even 0
+        fits, or when the memory does not grow with the batch."""
+        if any(c <= 0 and a > bytes_ for a, c in self.lines) or self(0) > bytes_:
+            return None
+        growing = [(a, c) for a, c in self.lines if c > 0]
+        if not growing:
+            return None
+        return min(int(math.floor((bytes_ - a) / c)) for a, c in growing)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lines": [[a, c] for a, c in self.lines]}
+
+
+def _upper_envelope(lines: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """The lines that are the highest somewhere in ``b >= 0``, slope ascending (the convex hull trick)."""
+    best: dict[float, float] = {}
+    for a, c in lines:
+        if c not in best or a > best[c]:
+            best[c] = a
+    hull: list[tuple[float, float]] = []
+    for c, a in sorted(best.items()):
+        while hull:
+            a0, c0 = hull[-1]
+            # the newer, steeper line overtakes the last one at x; drop the last if that is
+            # at or before where the last one overtook its predecessor (or before b = 0)
+            x = (a0 - a) / (c - c0)
+            if len(hull) >= 2:
+                a1, c1 = hull[-2]
+                if x <= (a1 - a0) / (c0 - c1):
+                    hull.pop()
+                    continue
+            elif x <= 0:
+                hull.pop()
+                continue
+            break
+        hull.append((a, c))
+    return tuple(hull)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
     """What a policy searches: batch sizes in ``[min, max]`` under ``limit_bytes``.
@@ -154,6 +232,8 @@ class SearchSpace:
     capacity_bytes: int
     min_batch_size: int = 1
     max_batch_size: int | None = None
+    #: the step's tensor bytes by batch size, once two small trials gave it (see ``PredictPolicy``)
+    tensors: TensorModel | None = None
 
     def __post_init__(self) -> None:
         positive_int("min_batch_size", self.min_batch_size, error=BatchSizeError)
@@ -429,8 +509,18 @@ class PredictPolicy(SearchPolicy):
     progress) keep the worst case logarithmic; they and the trials each shape of memory
     takes are in ``docs/internals.md#search``.
 
+    With ``modelled=True`` (the finder on a host's real memory) and no ``first_guess`` it starts
+    with two tiny sizes, from which the finder builds a :class:`TensorModel` of the step's tensor
+    bytes at any size and puts it in the space. Real memory is then sized through it: a
+    calibration trial where the tensors grow by a tenth of the room (unless two trials already
+    differ by a twentieth of it) gives the real bytes per modelled tensor byte, and the next trial
+    is the size the calibrated model puts just under the limit. A failure the model did not
+    foresee (an OOM) hands the rest of the search to the line above; a space without a model
+    (timelines that do not align, a model a trial contradicted) is searched the same way.
+
     Attributes:
         first_guess: a size to try first (e.g. from the planner).
+        modelled: begin with the two tiny sizes of a tensor model and size through it.
         tolerance_bytes: how far off a line three peaks may be and still count
             as collinear, and the margin by which the line must exceed the
             limit at b + 1. 0 (exact) suits the CPU tracker; allocator
@@ -452,6 +542,7 @@ class PredictPolicy(SearchPolicy):
     first_guess: int | None = None
     tolerance_bytes: int = 0
     rel_tolerance: float = 0.0
+    modelled: bool = False
 
     def __post_init__(self) -> None:
         if self.first_guess is not None:
@@ -464,8 +555,15 @@ class PredictPolicy(SearchPolicy):
     # -- the policy -------------------------------------------------------
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         lo_b, up = space.min_batch_size, space.upper
+        pair = self._pair(space)
         if not trials:
-            return _first_size(self.first_guess, space)
+            return pair[0] if pair else _first_size(self.first_guess, space)
+        if pair and len(trials) == 1 and trials[0].batch_size == pair[0] and trials[0].measured:
+            return pair[1]
+        if space.tensors is not None:
+            sized = self._modelled(trials, space)
+            if sized is not _CLASSIC:
+                return sized
         lo, hi = bracket(trials)
         if hi is not None and hi <= lo_b:
             return None  # nothing fits
@@ -485,6 +583,52 @@ class PredictPolicy(SearchPolicy):
             # then lands on a fit that is close enough, where aiming at it would fail half the time
             guess -= int(guess * self.rel_tolerance / 2)
         return _clamp(guess, floor + 1, upper)
+
+    def _pair(self, space: SearchSpace) -> tuple[int, int] | None:
+        """The two tiny sizes a tensor model starts from (not 1: some programs take another path there)."""
+        if not self.modelled or self.first_guess is not None:
+            return None
+        b1 = max(space.min_batch_size, 2)
+        if space.upper is not None and space.upper < b1 + 1:
+            return None
+        return b1, b1 + 1
+
+    def _modelled(self, trials: Sequence[Trial], space: SearchSpace) -> int | None | object:
+        """The next size through the tensor model, ``None`` to stop, or ``_CLASSIC`` to go on by lines."""
+        model = space.tensors
+        assert model is not None
+        pts = {t.batch_size: t for t in trials if t.measured}
+        lo, hi = bracket(trials)
+        if lo is None or lo not in pts:
+            return _CLASSIC
+        upper = hi - 1 if hi is not None else space.upper
+        if lo == upper:
+            return None
+        room = max(1, space.capacity_bytes - (pts[lo].start_bytes or 0))
+        slack = self.rel_tolerance * room
+        if pts[lo].peak_bytes >= space.limit_bytes - slack:
+            return None  # within the tolerance of the limit
+        if hi is not None and (hi - lo <= max(1, int(lo * self.rel_tolerance)) or hi not in pts):
+            # bracketed closely enough, or an OOM the model did not foresee: the lines take over
+            return None if hi - lo <= max(1, int(lo * self.rel_tolerance)) else _CLASSIC
+        top = max(pts, key=lambda b: (model(b), b))
+        below = [b for b in pts if model(top) - model(b) >= _CALIBRATION * room]
+        if not below:
+            # no two trials far enough apart to tell real bytes per tensor byte: one where the
+            # tensors grow by a tenth of the room, far below the limit whatever the ratio
+            b = model.solve(model(lo) + _PROBE * room)
+        else:
+            # what a trial left behind (JIT code for its shape) is in its peak but is no per-sample
+            # cost; a new size will leave about as much as the top one did
+            low = min(below, key=model)
+            ratio = max(_MIN_RATIO, (_repeatable(pts[top]) - _repeatable(pts[low])) / (model(top) - model(low)))
+            aim = space.limit_bytes - slack / 2
+            b = model.solve(model(top) + (aim - pts[top].peak_bytes) / ratio)
+        if b is None:
+            return _CLASSIC
+        if b <= lo:
+            return None
+        return _clamp(b, lo + 1, upper)
 
     def _close_enough(self, lo: int, hi: int | None, trials: Sequence[Trial], space: SearchSpace) -> bool:
         """With ``rel_tolerance``: ``lo`` is within it of the boundary (bracketed, or by the line)."""
@@ -576,9 +720,26 @@ class PredictPolicy(SearchPolicy):
         return max(_proportional(t, cap, cap) or 0, 2 * t.batch_size)
 
 
+#: the modelled search's calibration: two trials whose modelled tensors differ by this share of the
+#: room tell the real bytes per tensor byte; a probe trial grows the tensors by ``_PROBE`` of it
+_CALIBRATION = 0.05
+_PROBE = 0.1
+#: real bytes per tensor byte is taken as at least this (allocator and page overhead never make it
+#: much less than 1; a measurement below is noise)
+_MIN_RATIO = 0.9
+#: ``_modelled``'s answer "continue with the lines"
+_CLASSIC = object()
+
 #: A line whose answer is this many times the proportional ceiling marks a flat start:
 #: its slope is under 1/16 of the proportional one, the peak barely grew with the batch.
 _FLAT = 16
+
+
+def _repeatable(t: Trial) -> int:
+    """A trial's peak less what it left behind (``end_bytes - start_bytes``, when known)."""
+    if t.end_bytes is None or t.start_bytes is None:
+        return t.peak_bytes
+    return t.peak_bytes - max(0, t.end_bytes - t.start_bytes)
 
 
 def _solve(x0: int, p0: int, x1: int, p1: int, limit: int) -> int | None:
@@ -631,13 +792,13 @@ STRATEGIES: dict[str, type[SearchPolicy]] = {
 
 
 def make_policy(strategy: str | SearchPolicy, *, first_guess: int | None = None,
-                max_batch_size: int | None = None, tolerance: float = 0.0) -> SearchPolicy:
+                max_batch_size: int | None = None, tolerance: float = 0.0, modelled: bool = False) -> SearchPolicy:
     """Build a policy by name, seeding its first size.
 
     ``first_guess`` becomes predict's ``first_guess`` and the ``start`` of
     power, binsearch and decay. Decay without one starts at ``max_batch_size``,
-    else at 256. ``tolerance`` is predict's ``rel_tolerance``. A policy instance
-    is returned unchanged.
+    else at 256. ``tolerance`` is predict's ``rel_tolerance``, ``modelled`` its tensor-model
+    start. A policy instance is returned unchanged.
 
     Raises:
         BatchSizeError: unknown strategy name (the message lists the known ones).
@@ -647,7 +808,7 @@ def make_policy(strategy: str | SearchPolicy, *, first_guess: int | None = None,
     if strategy not in STRATEGIES:
         raise BatchSizeError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if strategy == PredictPolicy.name:
-        return PredictPolicy(first_guess=first_guess, rel_tolerance=tolerance)
+        return PredictPolicy(first_guess=first_guess, rel_tolerance=tolerance, modelled=modelled)
     if strategy == DecayPolicy.name:
         return DecayPolicy(start=first_guess or max_batch_size or 256)
     return STRATEGIES[strategy](start=first_guess)
