@@ -7,7 +7,9 @@ import types
 import pytest
 import torch
 
-from batchpilot.memory.gauge import DeviceGauge, ResidentGauge, TensorGauge, gauge_for
+from batchpilot.memory import gauge as gauge_mod
+from batchpilot.memory.gauge import DeviceGauge, HostGauge, TensorGauge, gauge_for
+from batchpilot.memory.host import HostLimits
 from batchpilot.memory.probes import emulate_capacity
 from batchpilot.memory.tracker import StorageTracker
 
@@ -59,9 +61,10 @@ def test_an_emulated_cuda_capacity_counts_reserved_only(monkeypatch):
     assert gauge.peak() == 5 * GiB and gauge.capacity() == 24 * GiB
 
 
-def test_cpu_gauges_tensors_under_emulation_and_resident_memory_otherwise():
+def test_cpu_gauges_tensors_under_emulation_and_host_memory_otherwise():
     cpu = torch.device("cpu")
-    assert isinstance(gauge_for(cpu), ResidentGauge) and gauge_for(cpu).kind == "resident"
+    host = gauge_for(cpu)
+    assert isinstance(host, HostGauge) and host.kind == HostGauge._KINDS[host.binding]
     tensors = gauge_for(cpu, emulated_capacity=4 * MiB)
     assert isinstance(tensors, TensorGauge)
     with emulate_capacity(4 * MiB):
@@ -75,11 +78,75 @@ def test_cpu_gauges_tensors_under_emulation_and_resident_memory_otherwise():
         assert tensors.capacity() > 4 * MiB  # a tracker without a capacity: the host's
 
 
-def test_the_resident_gauge_follows_the_host():
-    gauge = ResidentGauge(torch.device("cpu"))
+def test_the_host_gauge_follows_the_host():
+    gauge = HostGauge(torch.device("cpu"))
     gauge.reset()
     start = gauge.current()
     x = torch.ones(32 * MiB // 4)
     assert gauge.peak() >= start + 30 * MiB
     del x
     assert gauge.capacity() > gauge.current() and gauge.kills == (gauge.limits.binding != "rlimit_as")
+
+
+class FakeHost:
+    """The /proc figures a host gauge reads, set by the test (bytes)."""
+
+    def __init__(self, monkeypatch, **limits) -> None:
+        self.rss, self.hwm, self.vm, self.vm_peak = 300 * MiB, 300 * MiB, 900 * MiB, 950 * MiB
+        self.limits = limits
+        monkeypatch.setattr(gauge_mod, "host_limits", self.host_limits)
+        monkeypatch.setattr(gauge_mod, "resident_bytes", lambda: self.rss)
+        monkeypatch.setattr(gauge_mod, "address_space_bytes", lambda: self.vm)
+        monkeypatch.setattr(gauge_mod, "address_space_peak", lambda: self.vm_peak)
+        monkeypatch.setattr(gauge_mod.ResidentPeak, "reset", lambda peak: setattr(self, "hwm", self.rss))
+        monkeypatch.setattr(gauge_mod.ResidentPeak, "peak", lambda peak: self.hwm)
+
+    def host_limits(self) -> HostLimits:
+        return HostLimits(resident_bytes=self.rss, address_space_bytes=self.vm, **self.limits)
+
+    def grow(self, mapped: int, resident: int) -> None:
+        """A step maps ``mapped`` and writes ``resident`` more, then frees both."""
+        self.hwm = max(self.hwm, self.rss + resident)
+        self.vm_peak = max(self.vm_peak, self.vm + mapped)
+
+
+def test_under_rlimit_as_the_figure_is_the_address_space(monkeypatch):
+    fake = FakeHost(monkeypatch, rlimit_as_bytes=2 * GiB, available_bytes=20 * GiB)
+    gauge = gauge_for(torch.device("cpu"))
+    assert gauge.kind == "address_space" and gauge.capacity() == 2 * GiB and not gauge.kills
+    assert gauge.current() == 900 * MiB  # mapped, not resident: what the limit counts
+    gauge.reset()
+    fake.grow(mapped=20 * MiB, resident=20 * MiB)
+    # below the process's earlier peak (950 MiB): the kernel's VmPeak says nothing, the resident
+    # growth from the window's start gives the peak
+    assert gauge.peak() == 920 * MiB
+    fake.grow(mapped=300 * MiB, resident=250 * MiB)
+    # above every earlier peak: VmPeak is exact, whatever the resident set did
+    assert gauge.peak() == 1200 * MiB
+
+
+def test_an_estimated_address_space_peak_never_exceeds_the_kernels(monkeypatch):
+    fake = FakeHost(monkeypatch, rlimit_as_bytes=2 * GiB, available_bytes=20 * GiB)
+    gauge = gauge_for(torch.device("cpu"))
+    gauge.reset()
+    fake.hwm += 80 * MiB  # pages of files read (libraries, data) are resident, not mapped anew
+    assert gauge.peak() == 950 * MiB
+
+
+def test_in_a_container_the_figure_is_the_working_set(monkeypatch):
+    fake = FakeHost(monkeypatch, cgroup_limit_bytes=GiB, cgroup_used_bytes=600 * MiB, available_bytes=20 * GiB)
+    gauge = gauge_for(torch.device("cpu"))
+    assert gauge.kind == "cgroup" and gauge.capacity() == GiB and gauge.kills
+    assert gauge.current() == 600 * MiB  # the whole container, other processes included
+    gauge.reset()
+    fake.grow(mapped=0, resident=100 * MiB)
+    assert gauge.peak() == 700 * MiB
+
+
+def test_without_a_limit_the_figure_is_the_resident_set(monkeypatch):
+    fake = FakeHost(monkeypatch, available_bytes=GiB)
+    gauge = gauge_for(torch.device("cpu"))
+    assert gauge.kind == "resident" and gauge.capacity() == 300 * MiB + GiB and gauge.kills
+    gauge.reset()
+    fake.grow(mapped=500 * MiB, resident=100 * MiB)
+    assert gauge.current() == 300 * MiB and gauge.peak() == 400 * MiB

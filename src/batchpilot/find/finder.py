@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
@@ -42,6 +43,7 @@ from ..policy.search import (
     TensorModel,
     Trial,
     fit_line,
+    left_behind as _left_behind,
     make_policy,
     predict_peak,
     run_search,
@@ -476,26 +478,34 @@ def _doubtful(answer: int, trials: list[Trial], space: SearchSpace, tolerance: f
     last_oom = max((i for i, t in enumerate(trials) if t.outcome == OOM), default=-1)
     if last_oom > last_run:
         return True
-    peak = trials[last_run].peak_bytes if last_run >= 0 else None
-    margin = max(1, int(tolerance * space.capacity_bytes))
-    return peak is None or peak >= space.capacity_bytes - margin
+    if last_run < 0:
+        return True
+    t = trials[last_run]
+    room = space.capacity_bytes - (t.start_bytes or 0)
+    margin = max(1, int(tolerance * room), max((_left_behind(x) for x in trials), default=0))
+    return t.peak_bytes >= space.capacity_bytes - margin
 
 
 def _step_down(b: int, trials: list[Trial], space: SearchSpace, tolerance: float, floor: int,
                tried: set[int], attempts: int) -> int | None:
-    """The next size to verify below ``b``: on the memory line under the limit, lowered by what ``b`` showed."""
+    """The next size to verify below ``b``, which no longer fits: by the bytes per sample near it.
+
+    The last run of ``b`` shows what it needs now (its peak, or more than the capacity after an
+    OOM); the search's trials give the bytes one sample adds there. The step lands ``b``'s need
+    a tolerance under the limit. After ``_LINE_STEPS`` failed steps the size halves instead.
+    """
     if b <= floor:
         return None
-    step = max(1, int(b * max(tolerance, 0.01)))
-    guess = b - step
-    line = fit_line([t for t in trials if t.measured and t.batch_size != b] or trials)
+    last = [t for t in trials if t.batch_size == b][-1]
+    room = space.capacity_bytes - (last.start_bytes or 0)
+    margin = max(tolerance * room, max((_left_behind(t) for t in trials), default=0))
+    need = last.peak_bytes if last.measured else max(space.capacity_bytes, last.peak_bytes or 0)
+    searched = [t for t in trials if t.measured and t.batch_size != b]
+    line = fit_line(searched, space.limit_bytes)
+    guess = b - max(1, int(b * max(tolerance, 0.01)))
     if attempts <= _LINE_STEPS and line is not None and line[1] > 0:
-        # the failure shows the final state lacks at least what b's peak in the search left free
-        measured = [t.peak_bytes for t in trials if t.batch_size == b and t.measured and t.peak_bytes]
-        shortfall = max(0, space.capacity_bytes - max(measured)) if measured else 0
-        target = space.limit_bytes - shortfall - int(tolerance * space.capacity_bytes)
-        solved = int((target - line[0]) // line[1])
-        guess = min(guess, solved)
+        excess = need - (space.limit_bytes - margin / 2)
+        guess = min(guess, b - max(1, math.ceil(excess / line[1])))
     elif attempts > _LINE_STEPS:
         guess = min(guess, b // 2)
     guess = max(floor, guess)
@@ -674,6 +684,8 @@ class _TrialRunner:
             free_memory(self.device, generation=1)
         began = time.perf_counter()
         retries = self.gauge.alloc_retries()
+        if self.gauge.kind == "tensors":
+            active_tracker(self.device).forget_host_views()  # each trial pays for its own slice of host data
         self.gauge.reset()
         # real memory keeps part of a step's memory resident (allocator caches) into the next,
         # so what is in use before the first step is the floor; the tracker's is exact per step
@@ -740,7 +752,7 @@ class _TrialRunner:
         holder.append(self._steady_bytes())
         for _ in range(len(lines), self.steps):
             times.append(timed(one_step, self.gauge.synchronize, read))
-        if record and len(lines) >= 2:
+        if record and lines:
             self._timelines[batch_size] = (lines[0], lines[-1])
         self._time_steps(times, one_step, False, read)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 from .._checks import check_int
-from .host import address_space_bytes, trim_host_memory
+from .host import address_space_bytes, host_limits, trim_host_memory
 
 __all__ = ["is_oom", "is_fatal_device_error", "free_memory", "attempt", "Attempt", "OOMReport", "parse_oom_message"]
 
@@ -45,6 +45,15 @@ _OOM_MESSAGES = (
     "hip out of memory",
 )
 
+# oneDNN (CPU convolutions, matmuls) reports a failed allocation of its JIT code or scratch buffers
+# as a plain failure to create a primitive, which also means "not implemented": only host memory
+# pressure at the moment it was raised says which (see _host_memory_is_short)
+_ONEDNN_MESSAGES = ("could not create a primitive", "could not create a memory")
+#: within this much of RLIMIT_AS (or of strict overcommit's commit limit), or 1/32 of it if larger,
+#: a oneDNN creation failure is taken for an allocation failure. Measured here: oneDNN fails so
+#: with under 2 MiB of address space left; its scratch buffers for a large batch are bigger.
+_SHORT_BYTES = 128 * 2**20
+
 # Errors after which the device context is unusable: retrying only hides the real bug.
 _FATAL_MESSAGES = (
     "illegal memory access",
@@ -65,9 +74,13 @@ def is_oom(exc: BaseException) -> bool:
 
     Recognises ``torch.OutOfMemoryError`` (CUDA, HIP, XPU and batchpilot's
     emulated capacity), MPS's and the CPU allocator's ``RuntimeError`` messages,
-    and cuDNN's out-of-workspace ``CUDNN_STATUS_NOT_SUPPORTED``. Errors that leave
-    the device unusable (illegal memory access), and errors marked ``retryable = False``
-    (an aborted FSDP step that quotes its OOM), are never OOM.
+    and cuDNN's out-of-workspace ``CUDNN_STATUS_NOT_SUPPORTED``. oneDNN's
+    ``could not create a primitive`` counts only when memory is its cause: when it is
+    raised with the process within reach of its address-space limit (``RLIMIT_AS``, or the
+    commit limit under strict overcommit), where a failed mapping of its JIT code or scratch
+    buffers is what it reports; call this where it was raised, before the failed step's
+    memory is let go. Errors that leave the device unusable (illegal memory access), and
+    errors marked ``retryable = False`` (an aborted FSDP step that quotes its OOM), are never OOM.
     """
     if not isinstance(exc, BaseException) or is_fatal_device_error(exc):
         return False
@@ -79,8 +92,39 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError):
         msg = str(exc).lower()
-        return any(m in msg for m in _OOM_MESSAGES)
+        if any(m in msg for m in _OOM_MESSAGES):
+            return True
+        return any(m in msg for m in _ONEDNN_MESSAGES) and _host_memory_is_short()
     return False
+
+
+def _host_memory_is_short() -> bool:
+    """True when this process can map little more: near ``RLIMIT_AS``, or near the commit limit under
+    strict overcommit (the two ways a host allocation fails instead of the process being killed)."""
+    limits = host_limits()
+    rooms = []
+    if limits.rlimit_as_bytes is not None and limits.address_space_bytes is not None:
+        rooms.append((limits.rlimit_as_bytes - limits.address_space_bytes, limits.rlimit_as_bytes))
+    commit = _commit_room()
+    if commit is not None:
+        rooms.append(commit)
+    return any(room < max(_SHORT_BYTES, limit // 32) for room, limit in rooms)
+
+
+def _commit_room() -> tuple[int, int] | None:
+    """``(CommitLimit - Committed_AS, CommitLimit)`` under strict overcommit (mode 2), else ``None``."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            if f.read().strip() != "2":
+                return None
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+        return fields["CommitLimit"] - fields["Committed_AS"], fields["CommitLimit"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 def free_memory(device: torch.device | str | None = None, *, generation: int = 2) -> None:

@@ -118,6 +118,22 @@ class StorageTracker(TorchDispatchMode):
                 self._partial.discard(key)
             self._bump_peak()
 
+    def forget_host_views(self) -> int:
+        """Stop charging host data seen through views (a dataset's slices); the bytes released.
+
+        Such data is charged by the widest view read so far, as if that part were on the device.
+        A device holds only the current batch: between runs of a step (trials of a search) the
+        charge is dropped, so each run pays for its own slice and not for the widest one before it.
+        """
+        with self._lock:
+            freed = 0
+            for key in list(self._partial):
+                freed += self._sizes.pop(key, 0)
+                self._refs.pop(key, None)
+            self._partial.clear()
+            self.live -= freed
+            return freed
+
     def track(self, *objs: Any) -> StorageTracker:
         """Count tensors that already exist: modules, optimizers, tensors, or containers of them."""
         storages = []

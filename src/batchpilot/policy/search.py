@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
 
@@ -38,6 +39,7 @@ __all__ = [
     "fit_line",
     "predict_peak",
     "reclassify",
+    "left_behind",
     "SearchResult",
     "run_search",
 ]
@@ -605,29 +607,37 @@ class PredictPolicy(SearchPolicy):
         if lo == upper:
             return None
         room = max(1, space.capacity_bytes - (pts[lo].start_bytes or 0))
-        slack = self.rel_tolerance * room
+        # finer than what a trial leaves behind (JIT code for its shape) is noise, not memory
+        slack = max(self.rel_tolerance * room, max(left_behind(t) for t in pts.values()))
         if pts[lo].peak_bytes >= space.limit_bytes - slack:
             return None  # within the tolerance of the limit
-        if hi is not None and (hi - lo <= max(1, int(lo * self.rel_tolerance)) or hi not in pts):
-            # bracketed closely enough, or an OOM the model did not foresee: the lines take over
-            return None if hi - lo <= max(1, int(lo * self.rel_tolerance)) else _CLASSIC
-        top = max(pts, key=lambda b: (model(b), b))
-        below = [b for b in pts if model(top) - model(b) >= _CALIBRATION * room]
-        if not below:
-            # no two trials far enough apart to tell real bytes per tensor byte: one where the
-            # tensors grow by a tenth of the room, far below the limit whatever the ratio
-            b = model.solve(model(lo) + _PROBE * room)
+        if hi is not None and hi - lo <= max(1, int(lo * self.rel_tolerance)):
+            return None  # bracketed closely enough
+        aim = space.limit_bytes - slack / 2
+        if hi is not None:
+            # bracketed: the real bytes between the two, along the model; an OOM needed at least
+            # the capacity (at least its bound when the allocator said how much it asked for)
+            failed = pts.get(hi) or next(t for t in reversed(trials) if t.batch_size == hi)
+            if not failed.measured:
+                failed = dataclasses.replace(failed, outcome=OVER_TARGET,
+                                             peak_bytes=max(space.capacity_bytes, failed.peak_bytes or 0))
+            b = _through(model, pts[lo], failed, aim)
         else:
-            # what a trial left behind (JIT code for its shape) is in its peak but is no per-sample
-            # cost; a new size will leave about as much as the top one did
-            low = min(below, key=model)
-            ratio = max(_MIN_RATIO, (_repeatable(pts[top]) - _repeatable(pts[low])) / (model(top) - model(low)))
-            aim = space.limit_bytes - slack / 2
-            b = model.solve(model(top) + (aim - pts[top].peak_bytes) / ratio)
+            top = max(pts, key=lambda b: (model(b), b))
+            below = [b for b in pts if model(top) - model(b) >= _CALIBRATION * room]
+            if not below:
+                # no two trials far enough apart to tell real bytes per tensor byte: one where the
+                # tensors grow by a tenth of the room (more in a small room, where what a trial leaves
+                # behind is a larger share of it), far below the limit whatever the ratio
+                b = model.solve(model(lo) + max(_PROBE * room, min(_SMALL_PROBE * room, _PROBE_BYTES)))
+            else:
+                # the nearest trial far enough below: real memory is not exactly affine in the tensors
+                # at tiny sizes (heap, page rounding), and the answer is where the large ones are
+                b = _through(model, pts[max(below, key=model)], pts[top], aim)
         if b is None:
             return _CLASSIC
-        if b <= lo:
-            return None
+        if b - lo <= max(0, int(lo * self.rel_tolerance)):
+            return None  # a trial would gain less than the tolerance
         return _clamp(b, lo + 1, upper)
 
     def _close_enough(self, lo: int, hi: int | None, trials: Sequence[Trial], space: SearchSpace) -> bool:
@@ -724,6 +734,7 @@ class PredictPolicy(SearchPolicy):
 #: room tell the real bytes per tensor byte; a probe trial grows the tensors by ``_PROBE`` of it
 _CALIBRATION = 0.05
 _PROBE = 0.1
+_SMALL_PROBE, _PROBE_BYTES = 0.25, 64 * 2**20
 #: real bytes per tensor byte is taken as at least this (allocator and page overhead never make it
 #: much less than 1; a measurement below is noise)
 _MIN_RATIO = 0.9
@@ -735,11 +746,26 @@ _CLASSIC = object()
 _FLAT = 16
 
 
-def _repeatable(t: Trial) -> int:
-    """A trial's peak less what it left behind (``end_bytes - start_bytes``, when known)."""
+def _through(model: TensorModel, low: Trial, high: Trial, aim: float) -> int | None:
+    """The size whose real peak reaches ``aim`` on the line through two trials, with the model's tensors as its x.
+
+    What a trial left behind (JIT code for its shape) is in its peak but is no per-sample cost,
+    so the slope is taken without it; a new size leaves about as much as ``high`` did.
+    """
+    ratio = max(_MIN_RATIO, (_repeatable(high) - _repeatable(low)) / max(1.0, model(high.batch_size) - model(low.batch_size)))
+    return model.solve(model(high.batch_size) + (aim - high.peak_bytes) / ratio)
+
+
+def left_behind(t: Trial) -> int:
+    """What a trial left in use once put back (``end_bytes - start_bytes``), 0 when unknown."""
     if t.end_bytes is None or t.start_bytes is None:
-        return t.peak_bytes
-    return t.peak_bytes - max(0, t.end_bytes - t.start_bytes)
+        return 0
+    return max(0, t.end_bytes - t.start_bytes)
+
+
+def _repeatable(t: Trial) -> int:
+    """A trial's peak less what it left behind."""
+    return t.peak_bytes - left_behind(t)
 
 
 def _solve(x0: int, p0: int, x1: int, p1: int, limit: int) -> int | None:
