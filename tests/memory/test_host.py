@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import subprocess
 import sys
@@ -79,3 +81,36 @@ def test_rlimit_as_is_read_in_a_child():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(8 * 2**30), "True"]
+
+
+PIN_CHILD = """
+import json, sys, torch
+from batchpilot.memory.host import address_space_bytes, malloc_threshold_pinned, pin_malloc_threshold
+pinned = pin_malloc_threshold() if sys.argv[1] == "pin" else False
+torch.empty(8 * 2**20 // 4).fill_(1)  # freed: the dynamic threshold now sends blocks up to 8 MiB to the heap
+before = address_space_bytes()
+x = torch.empty(6 * 2**20 // 4).fill_(1)
+del x
+print(json.dumps({"pinned": pinned, "reported": malloc_threshold_pinned(), "kept": address_space_bytes() - before}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["pin", "dynamic"])
+def test_a_pinned_malloc_threshold_gives_freed_blocks_back_to_the_address_space(mode):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    proc = subprocess.run([sys.executable, "-c", PIN_CHILD, mode], capture_output=True, text=True, env=env, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if mode == "pin":
+        assert out["pinned"] and out["reported"]
+        assert out["kept"] < 2**20, out  # the 6 MiB block was a mapping of its own, unmapped when freed
+    else:
+        assert not out["reported"]
+        assert out["kept"] >= 4 * 2**20, out  # glibc's default: it stayed in the heap, mapped
+
+
+def test_pinning_is_left_to_an_environment_that_already_fixes_the_threshold():
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="262144")
+    code = ("from batchpilot.memory.host import pin_malloc_threshold, malloc_threshold_pinned\n"
+            "print(pin_malloc_threshold(), malloc_threshold_pinned())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "True"]

@@ -105,6 +105,30 @@ def test_attempt_reraises_other_errors_untouched():
     assert info.value is err
 
 
+def test_onednn_creation_failure_is_an_oom_only_near_a_memory_limit(monkeypatch):
+    from batchpilot.memory import oom
+
+    err = RuntimeError("could not create a primitive")
+    monkeypatch.setattr(oom, "_onednn_ran_out", False)  # this process's record, put back after the test
+    monkeypatch.setattr(oom, "_host_memory_is_short", lambda: False)
+    assert not is_oom(err)  # "not implemented" says the same: without memory pressure it propagates
+    monkeypatch.setattr(oom, "_host_memory_is_short", lambda: True)
+    assert is_oom(err) and is_oom(RuntimeError("could not create a memory object"))
+    assert not is_oom(RuntimeError("could not execute a primitive"))
+    # once it ran out, oneDNN creates nothing again: every later creation failure is that OOM's
+    monkeypatch.setattr(oom, "_host_memory_is_short", lambda: False)
+    assert is_oom(err)
+
+
+def test_onednn_creation_failure_at_a_real_address_space_limit_is_recovered():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    out = json.loads(run_helper("onednn_oom.py").stdout.strip().splitlines()[-1])
+    assert out["far_is_oom"] is False
+    assert out["near_oom"] and out["near_message"] == "could not create a primitive", out
+    assert out["after_ok"] and not out["onednn_on"], out  # on PyTorch's own kernels from then on
+
+
 def test_real_cpu_allocator_oom_recovers_without_leaking():
     out = json.loads(run_helper("oom_recover.py").stdout.strip().splitlines()[-1])
     assert "DefaultCPUAllocator: can't allocate memory" in out["real_message"]

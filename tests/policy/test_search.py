@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from batchpilot.policy.search import (
     PredictPolicy,
     SearchPolicy,
     SearchSpace,
+    TensorModel,
     Trial,
     bracket,
     decay_batch_step,
@@ -353,3 +355,130 @@ def test_pure_modules_do_not_import_torch(module):
     assert lines[0] == "[]", f"{module} imported {lines[0]}"
     if module == "policy.search":
         assert lines[1] == "192"
+
+
+# ---------------------------------------------------------------------------
+# the tensor model: the envelope of two allocation timelines
+
+
+def timeline(b: int) -> list[int]:
+    """Live tensor bytes after each allocation of a step: weights (fixed), activations (per sample),
+    the optimizer's temporaries (fixed, after the activations are gone)."""
+    weights = 1_000_000
+    acts = [weights + k * 4_000 * b for k in range(1, 6)]
+    grads = [weights + 2_000 * b + 1_000_000, weights + 1_000_000]
+    optimizer = [2 * weights + 500_000, weights + 1_000_000]
+    return [*acts, *grads, *optimizer]
+
+
+def test_the_model_of_two_tiny_timelines_is_the_peak_at_every_size():
+    model = TensorModel.from_timelines(2, timeline(2), 3, timeline(3))
+    for b in (1, 2, 3, 10, 40, 41, 500, 10_000):
+        assert model(b) == max(timeline(b))
+    # the optimizer's fixed peak below the kink, the activations' line above: only those two remain
+    assert model.lines == ((2_500_000, 0.0), (1_000_000, 20_000.0))
+    assert model.solve(max(timeline(700))) == 700 and model.solve(2_499_999) is None
+
+
+def test_timelines_that_do_not_align_give_no_model():
+    assert TensorModel.from_timelines(2, timeline(2), 3, timeline(3)[:-1]) is None
+    assert TensorModel.from_timelines(2, timeline(2), 2, timeline(2)) is None
+    assert TensorModel.from_timelines(2, [], 3, []) is None
+
+
+def test_the_union_of_two_models_is_the_higher_at_every_size():
+    a = TensorModel(lines=((100.0, 1.0),))
+    b = TensorModel(lines=((0.0, 2.0), (500.0, 0.0)))
+    u = TensorModel.union(a, b)
+    assert all(u(x) == max(a(x), b(x)) for x in range(0, 1000, 7))
+    assert u.to_dict() == {"lines": [[500.0, 0.0], [0.0, 2.0]]}
+
+
+@given(st.lists(st.tuples(st.integers(-10**6, 10**6), st.integers(0, 10**4)), min_size=1, max_size=30))
+@settings(max_examples=100, deadline=None)
+def test_the_upper_envelope_keeps_the_maximum(lines):
+    model = TensorModel.from_timelines(1, [a + c for a, c in lines], 2, [a + 2 * c for a, c in lines])
+    for b in (0, 1, 5, 99, 10**5):
+        assert model(b) == pytest.approx(max(a + c * b for a, c in lines))
+
+
+# ---------------------------------------------------------------------------
+# the modelled search (a host's real memory): two tiny sizes, one calibration, the answer
+
+
+def modelled_run(real: Callable[[int], int | None], tensors: Callable[[int], list[int]], *, capacity: int,
+                 target: float, base: int, left: int = 0, max_trials: int = 12):
+    """``run_search`` as the finder drives it on a host: the model joins the space after two trials.
+
+    ``real(b)`` is a trial's real peak (``None``: it runs out of memory); each new size leaves
+    ``left`` bytes behind (JIT code for its shape), as real memory does.
+    """
+    limit = base + int(target * (capacity - base))
+    space = SearchSpace(limit_bytes=limit, capacity_bytes=capacity)
+    held = [base]
+    timelines: dict[int, list[int]] = {}
+
+    def trial(b: int) -> Trial:
+        start = held[-1]
+        peak = real(b)
+        held.append(start + left)
+        if peak is None or peak + start - base > capacity:
+            # the allocator's bound: what was mapped when it failed plus the request it refused
+            # (here the whole need: the step failed at its largest allocation)
+            bound = None if peak is None else peak + start - base
+            return Trial(batch_size=b, outcome=OOM, peak_bytes=bound, bound_bytes=bound, start_bytes=start,
+                         end_bytes=held[-1])
+        timelines.setdefault(b, tensors(b))
+        peak += start - base
+        return Trial(batch_size=b, outcome=FIT if peak <= limit else OVER_TARGET, peak_bytes=peak,
+                     start_bytes=start, end_bytes=held[-1], tensor_bytes=max(tensors(b)))
+
+    def revise(sp: SearchSpace, t: Trial) -> SearchSpace | None:
+        if sp.tensors is None and len(timelines) == 2:
+            (b1, t1), (b2, t2) = timelines.items()
+            return dataclasses.replace(sp, tensors=TensorModel.from_timelines(b1, t1, b2, t2))
+        return None
+
+    policy = PredictPolicy(modelled=True, rel_tolerance=0.02)
+    result = run_search(policy, space, trial, max_trials=max_trials, revise=revise)
+    return result, [t.batch_size for t in result.trials], limit
+
+
+MB = 2**20
+
+
+def test_modelled_search_calibrates_once_and_lands_within_the_tolerance():
+    # real memory is the tensors times 1.15 (kernel scratch) over a runtime of 500 MB
+    base, capacity = 500 * MB, 1524 * MB
+    real = lambda b: base + int(1.15 * (max(timeline(b)) - max(timeline(0))))  # noqa: E731
+    result, sizes, limit = modelled_run(real, timeline, capacity=capacity, target=0.8, base=base, left=2 * MB)
+    assert sizes[:2] == [2, 3] and len(sizes) == 4, sizes  # two tiny sizes, a calibration, the answer
+    answer = result.batch_size
+    assert answer == sizes[-1] and result.trials[-1].peak_bytes <= limit
+    assert result.trials[-1].peak_bytes >= limit - 0.02 * (capacity - base) - 8 * MB  # 8 MB: the leftovers
+
+
+def test_modelled_search_finds_the_kink_an_extrapolated_line_misses():
+    # the optimizer's fixed peak hides the activations at small sizes: a line through two small
+    # sizes would jump far past the boundary; the model knows where the activations take over
+    def kinked(b: int) -> list[int]:
+        return [60 * MB, 10 * MB + 30_000 * b]
+
+    base, capacity = 400 * MB, 1424 * MB
+    real = lambda b: base + max(kinked(b)) - 60 * MB  # noqa: E731
+    result, sizes, limit = modelled_run(real, kinked, capacity=capacity, target=0.99, base=base)
+    assert all(t.outcome != OOM for t in result.trials) and len(sizes) <= 5, sizes
+    true_max = (limit - base + 50 * MB) // 30_000
+    assert 0.97 * true_max <= result.batch_size <= true_max
+
+
+def test_an_oom_the_model_did_not_foresee_is_not_repeated():
+    # real memory grows twice as fast as the tensors past 8000 samples: the calibration cannot see it
+    def real(b: int) -> int | None:
+        return 300 * MB + 20_000 * b + (20_000 * (b - 8_000) if b > 8_000 else 0)
+
+    tensors = lambda b: [5 * MB, 20_000 * b]  # noqa: E731
+    result, sizes, limit = modelled_run(real, tensors, capacity=900 * MB, target=0.99, base=300 * MB)
+    ooms = [t for t in result.trials if t.outcome == OOM]
+    assert len(ooms) == 1 and result.trials.index(ooms[0]) < len(result.trials) - 1
+    assert result.trials[-1].fits and len(sizes) <= 6, sizes

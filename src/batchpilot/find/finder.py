@@ -318,7 +318,7 @@ def find_batch_size(
             revise = lambda sp, t: _trial_space(trial_fn, trial_fn.modelled(learner(sp, t) or sp, t))  # noqa: E731
             if run_compiled:
                 warm_up(step, floor, device=dev, after=snap.restore)  # compile before anything is measured
-            result = run_search(policy, space, trial_fn, max_trials=cfg.max_trials, on_trial=report, revise=revise)
+            result = _search(policy, space, trial_fn, cfg.max_trials, report, revise)
             space = result.space or space
             if result.batch_size is None and result.stop_reason == "nothing_fits" and floor > cfg.min_batch_size:
                 result = _below_floor(result, policy, space, cfg.min_batch_size, trial_fn, report, revise)
@@ -342,13 +342,12 @@ def find_batch_size(
         snap.close()
         free_memory(dev)
     if answer is None:
-        trials = [*result.trials, *verified]
-        raise _nothing_fits(trials, space, dev, "nothing_fits" if verified else result.stop_reason)
+        raise _nothing_fits(list(trial_fn.done), space, dev, "nothing_fits" if verified else result.stop_reason)
     line = fit_line(result.trials, space.limit_bytes)
     tensor_line = _tensor_line(result.trials) if gauge.host else None
     plan = BatchPlan(
         batch_size=answer, target=float(cfg.target), capacity=int(space.capacity_bytes),
-        limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=[*result.trials, *verified],
+        limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=list(trial_fn.done),
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
         seconds=time.perf_counter() - started, stop_reason=stop_reason,
         steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
@@ -381,6 +380,32 @@ def warm_up(step: Callable[[int], Any], batch_size: int, *, device: torch.device
         after()
     logger.info("warm-up at batch %d: %d graph(s) compiled", batch_size, counter.count)
     return counter.count
+
+
+class _ProgramChanged(Exception):
+    """A trial changed the program the search measures (oneDNN's kernels turned off after its OOM)."""
+
+    def __init__(self, trial: Trial) -> None:
+        super().__init__(f"the program changed at batch {trial.batch_size}")
+        self.trial = trial
+
+
+def _search(policy: SearchPolicy, space: SearchSpace, runner: _TrialRunner, max_trials: int,
+            report: Callable[[Trial], None], revise: Callable) -> SearchResult:
+    """:func:`run_search`, started over (within ``max_trials`` in all) when a trial changes the program."""
+    earlier: list[Trial] = []
+    while True:
+        try:
+            result = run_search(policy, space, runner, max_trials=max(1, max_trials - len(earlier)),
+                                on_trial=report, revise=revise)
+        except _ProgramChanged as changed:
+            report(changed.trial)
+            earlier = list(runner.done)  # counted against max_trials, not searched on
+            space = dataclasses.replace(runner.space or space, tensors=None)
+            runner.space = space
+            logger.info("searching again from the start: the trials so far ran other kernels")
+            continue
+        return result  # the runner keeps every trial, ``earlier`` ones included, for the plan
 
 
 def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace, minimum: int,
@@ -499,7 +524,8 @@ def _step_down(b: int, trials: list[Trial], space: SearchSpace, tolerance: float
     last = [t for t in trials if t.batch_size == b][-1]
     room = space.capacity_bytes - (last.start_bytes or 0)
     margin = max(tolerance * room, max((_left_behind(t) for t in trials), default=0))
-    need = last.peak_bytes if last.measured else max(space.capacity_bytes, last.peak_bytes or 0)
+    # an OOM needed more than the capacity, and what it left behind is no longer free either
+    need = last.peak_bytes if last.measured else max(space.capacity_bytes, last.peak_bytes or 0) + _left_behind(last)
     searched = [t for t in trials if t.measured and t.batch_size != b]
     line = fit_line(searched, space.limit_bytes)
     guess = b - max(1, int(b * max(tolerance, 0.01)))
@@ -638,11 +664,17 @@ class _TrialRunner:
         return space
 
     def __call__(self, batch_size: int) -> Trial:
+        onednn = torch.backends.mkldnn.enabled
         trial = self._run(batch_size)
         if self.lockstep is not None:
             # the same trial on every rank, then one view of it everywhere: the same next size
             trial = self.lockstep.agree_trial(trial, self.space)
         self.done.append(trial)
+        if onednn and not torch.backends.mkldnn.enabled:
+            # oneDNN ran out of memory and was turned off (memory.oom.recover_onednn): from now on
+            # other kernels run, with memory of their own, and nothing measured so far holds
+            self._model, self._timelines, self._first_step = self.breakdown, {}, None
+            raise _ProgramChanged(trial)
         return trial
 
     def _run(self, batch_size: int) -> Trial:
@@ -840,6 +872,8 @@ def _oom_bound(peak: int, outcome: Any, *, address_space: bool = False) -> int |
     report = getattr(outcome, "report", None)
     if report is None or report.min_peak_bytes is None:
         return None
+    if report.backend != "cpu" and report.peak_basis == "request":
+        return None  # a request alone bounds nothing: what the process held is not stated
     if report.backend == "cpu":
         mapped = getattr(outcome, "mapped_bytes", None)
         if address_space and report.requested_bytes and mapped is not None:

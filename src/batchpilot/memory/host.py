@@ -24,7 +24,7 @@ except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
 __all__ = [
-    "HostLimits", "host_limits", "cgroup_dirs", "resident_bytes", "address_space_bytes", "address_space_peak",
+    "HostLimits", "host_limits", "rlimit_as_bytes", "cgroup_dirs", "resident_bytes", "address_space_bytes", "address_space_peak",
     "ResidentPeak", "trim_host_memory", "pin_malloc_threshold", "malloc_threshold_pinned",
 ]
 
@@ -267,13 +267,18 @@ def _available() -> int:
     return 0
 
 
+def rlimit_as_bytes() -> int | None:
+    """This process's soft ``RLIMIT_AS``, or ``None`` when unlimited (or not on a POSIX system)."""
+    if resource is None:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def host_limits() -> HostLimits:
     """What limits this process's memory now (a handful of small file reads)."""
     limit, used = _cgroup_limit_and_use()
-    rlimit = None
-    if resource is not None:
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-        rlimit = None if soft == resource.RLIM_INFINITY else int(soft)
+    rlimit = rlimit_as_bytes()
     return HostLimits(
         resident_bytes=resident_bytes(), cgroup_limit_bytes=limit, cgroup_used_bytes=used,
         rlimit_as_bytes=rlimit, address_space_bytes=address_space_bytes(), available_bytes=_available(),

@@ -19,9 +19,12 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 from .._checks import check_int
-from .host import address_space_bytes, host_limits, trim_host_memory
+from .host import address_space_bytes, rlimit_as_bytes, trim_host_memory
 
-__all__ = ["is_oom", "is_fatal_device_error", "free_memory", "attempt", "Attempt", "OOMReport", "parse_oom_message"]
+__all__ = [
+    "is_oom", "is_fatal_device_error", "is_onednn_failure", "recover_onednn", "free_memory", "attempt", "Attempt",
+    "OOMReport", "parse_oom_message",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +97,57 @@ def is_oom(exc: BaseException) -> bool:
         msg = str(exc).lower()
         if any(m in msg for m in _OOM_MESSAGES):
             return True
-        return any(m in msg for m in _ONEDNN_MESSAGES) and _host_memory_is_short()
+        if any(m in msg for m in _ONEDNN_MESSAGES):
+            global _onednn_ran_out
+            # once oneDNN failed to map its JIT code, it creates no new primitive again in this
+            # process however much memory is free (measured with oneDNN 3.12): every later
+            # creation failure is that OOM's after-effect, which recover_onednn() ends
+            if _onednn_ran_out or _host_memory_is_short():
+                _onednn_ran_out = True
+                return True
     return False
+
+
+#: oneDNN failed to create a primitive for want of memory in this process (see is_oom)
+_onednn_ran_out = False
+
+
+def is_onednn_failure(exc: BaseException) -> bool:
+    """True for oneDNN's failure to create a primitive (which :func:`is_oom` takes for an OOM near a limit)."""
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _ONEDNN_MESSAGES)
+
+
+def recover_onednn() -> bool:
+    """After oneDNN ran out of memory creating a primitive, turn its CPU kernels off; True if this call did.
+
+    oneDNN 3.12 creates no new primitive in a process where a creation once failed for want of
+    memory, even with the memory back: convolutions at any new shape then fail. PyTorch's own
+    kernels take over (``torch.backends.mkldnn.enabled = False``): slower, and with their own
+    memory needs, but the job goes on. Logged once as a warning.
+    """
+    if not _onednn_ran_out or not torch.backends.mkldnn.enabled:
+        return False
+    torch.backends.mkldnn.enabled = False
+    logger.warning("oneDNN ran out of memory creating a kernel and creates none since (a oneDNN limitation): its "
+                   "CPU kernels are off for the rest of this process (torch.backends.mkldnn.enabled = False); "
+                   "PyTorch's own kernels run instead, slower and with other memory needs")
+    return True
 
 
 def _host_memory_is_short() -> bool:
     """True when this process can map little more: near ``RLIMIT_AS``, or near the commit limit under
-    strict overcommit (the two ways a host allocation fails instead of the process being killed)."""
-    limits = host_limits()
-    rooms = []
-    if limits.rlimit_as_bytes is not None and limits.address_space_bytes is not None:
-        rooms.append((limits.rlimit_as_bytes - limits.address_space_bytes, limits.rlimit_as_bytes))
+    strict overcommit (the two ways a host allocation fails instead of the process being killed).
+
+    Cheap reads only: at the edge of the limit even opening a file can fail for want of memory,
+    which under ``RLIMIT_AS`` is itself the answer.
+    """
+    rlimit = rlimit_as_bytes()
+    if rlimit is not None:
+        mapped = address_space_bytes()
+        if mapped is None or rlimit - mapped < max(_SHORT_BYTES, rlimit // 32):
+            return True
     commit = _commit_room()
-    if commit is not None:
-        rooms.append(commit)
-    return any(room < max(_SHORT_BYTES, limit // 32) for room, limit in rooms)
+    return commit is not None and commit[0] < max(_SHORT_BYTES, commit[1] // 32)
 
 
 def _commit_room() -> tuple[int, int] | None:
@@ -473,6 +512,7 @@ def attempt(
         if not is_oom(exc):
             raise
         mapped = address_space_bytes()  # before the frames let go of the failed attempt's memory
+        onednn = is_onednn_failure(exc)
         text = str(exc)
         message = text.splitlines()[0] if text else type(exc).__name__
     # Outside the except: the exception and its frames are gone now.
@@ -480,5 +520,7 @@ def attempt(
     if on_oom is not None:
         on_oom()
     free_memory(device)
+    if onednn:
+        recover_onednn()
     logger.debug("recovered from OOM: %s", message)
     return Attempt(oom=True, message=message, report=report, mapped_bytes=mapped)

@@ -614,14 +614,20 @@ class PredictPolicy(SearchPolicy):
         if hi is not None and hi - lo <= max(1, int(lo * self.rel_tolerance)):
             return None  # bracketed closely enough
         aim = space.limit_bytes - slack / 2
+        now = trials[-1].end_bytes  # where the next trial starts: the last one's leftovers included
         if hi is not None:
             # bracketed: the real bytes between the two, along the model; an OOM needed at least
             # the capacity (at least its bound when the allocator said how much it asked for)
             failed = pts.get(hi) or next(t for t in reversed(trials) if t.batch_size == hi)
-            if not failed.measured:
+            if failed.measured:
+                b = _through(model, pts[lo], failed, aim, now)
+            else:
+                # an OOM needed more than the capacity, how much more only its bound tells: never
+                # past the midpoint, so a second OOM at least halves the bracket
                 failed = dataclasses.replace(failed, outcome=OVER_TARGET,
                                              peak_bytes=max(space.capacity_bytes, failed.peak_bytes or 0))
-            b = _through(model, pts[lo], failed, aim)
+                b = _through(model, pts[lo], failed, aim, now)
+                b = None if b is None else min(b, (lo + hi) // 2)
         else:
             top = max(pts, key=lambda b: (model(b), b))
             below = [b for b in pts if model(top) - model(b) >= _CALIBRATION * room]
@@ -633,7 +639,7 @@ class PredictPolicy(SearchPolicy):
             else:
                 # the nearest trial far enough below: real memory is not exactly affine in the tensors
                 # at tiny sizes (heap, page rounding), and the answer is where the large ones are
-                b = _through(model, pts[max(below, key=model)], pts[top], aim)
+                b = _through(model, pts[max(below, key=model)], pts[top], aim, now)
         if b is None:
             return _CLASSIC
         if b - lo <= max(0, int(lo * self.rel_tolerance)):
@@ -746,14 +752,21 @@ _CLASSIC = object()
 _FLAT = 16
 
 
-def _through(model: TensorModel, low: Trial, high: Trial, aim: float) -> int | None:
-    """The size whose real peak reaches ``aim`` on the line through two trials, with the model's tensors as its x.
+def _through(model: TensorModel, low: Trial, high: Trial, aim: float, now: int | None) -> int | None:
+    """The size whose real peak reaches ``aim``, on the line through two trials with the model's tensors as x.
 
-    What a trial left behind (JIT code for its shape) is in its peak but is no per-sample cost,
-    so the slope is taken without it; a new size leaves about as much as ``high`` did.
+    Trials are compared by what they grew from their own start (the process's memory creeps up
+    between trials by what each leaves behind), less what each left behind (JIT code for its
+    shape: in its peak, but no per-sample cost). The new size starts from ``now`` and leaves about
+    as much behind as ``high`` did.
     """
-    ratio = max(_MIN_RATIO, (_repeatable(high) - _repeatable(low)) / max(1.0, model(high.batch_size) - model(low.batch_size)))
-    return model.solve(model(high.batch_size) + (aim - high.peak_bytes) / ratio)
+    def grown(t: Trial) -> int:
+        return t.peak_bytes - (t.start_bytes or 0) - left_behind(t)
+
+    ratio = max(_MIN_RATIO, (grown(high) - grown(low)) / max(1.0, model(high.batch_size) - model(low.batch_size)))
+    start = now if now is not None else (high.start_bytes or 0)
+    expected = start + grown(high) + left_behind(high)  # the peak at high's size, starting now
+    return model.solve(model(high.batch_size) + (aim - expected) / ratio)
 
 
 def left_behind(t: Trial) -> int:
@@ -761,11 +774,6 @@ def left_behind(t: Trial) -> int:
     if t.end_bytes is None or t.start_bytes is None:
         return 0
     return max(0, t.end_bytes - t.start_bytes)
-
-
-def _repeatable(t: Trial) -> int:
-    """A trial's peak less what it left behind."""
-    return t.peak_bytes - left_behind(t)
 
 
 def _solve(x0: int, p0: int, x1: int, p1: int, limit: int) -> int | None:
