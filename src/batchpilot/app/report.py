@@ -26,12 +26,18 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     time_fit                  {fixed_seconds, seconds_per_sample}: seconds per step ~ fixed +
                               per_sample x batch through the timed trials that fitted | null
     stop_reason               the memory search's: "boundary" | "tolerance" | "max_batch_size" |
-                              "strategy" | "max_trials"
+                              "strategy" | "max_trials" | "verification" (the answer did not run again
+                              after the search and a smaller one did)
     steps_per_trial,
-    memory                    the figure judged: "tensors" | "resident" | "device" | "allocated"
+    memory                    the figure judged: "tensors" (emulated CPU) | "address_space" (RLIMIT_AS) |
+                              "cgroup" (a container's working set) | "resident" (a CPU with neither) |
+                              "device" (CUDA: reserved + outside PyTorch) | "allocated" (MPS, XPU)
     binding_limit             on a real CPU: "cgroup" | "rlimit_as" | "physical"; else null
+    verified                  the answer ran again after the search, in the state it left
+    base_bytes                on a real CPU, the memory in use when the search began: limit_bytes =
+                              base + target x (capacity - base); null elsewhere
     fit                       {fixed_bytes, bytes_per_sample} | null
-    tensor_fit                the tensor bytes alone (memory "resident"), same keys | null
+    tensor_fit                on a real CPU, the tensor bytes alone (each trial's first step), same keys | null
     snapshot                  {bytes, seconds, on_disk}: the restore snapshot's cost
     compiled                  the model is (or holds) a torch.compile'd module
     compiled_trials           the trials ran the compiled program (false: eagerly, under an
@@ -41,7 +47,9 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
                                 peak_bytes|null, start_bytes|null, seconds,
                                 tensor_bytes|null, bound_bytes|null,
                                 step_seconds|null (fastest timed step, fits only),
-                                samples_per_second|null, alloc_retries|null (CUDA)}]
+                                samples_per_second|null, alloc_retries|null (CUDA),
+                                end_bytes|null (real memory: the figure once the trial was put back;
+                                end - start is what it left behind)}]
     num_trials, num_ooms, seconds
     per_length                with --seq-lens: [{length, batch_size}], the largest batch at each
                               length (the search's keys above are at the longest) | null
@@ -143,7 +151,9 @@ __all__ = [
 #: ``snapshot`` and per-trial ``tensor_bytes`` / ``bound_bytes``. Since, with no key changing
 #: meaning: ``find`` gained ``objective``, ``speed_tolerance``, ``largest_fitting``, ``reason``,
 #: ``samples_per_second``, ``time_fit`` and per-trial ``step_seconds`` / ``samples_per_second`` /
-#: ``alloc_retries``; ``train`` gained ``split``, per-step ``micro_batch_reason`` and per-change ``reason``.
+#: ``alloc_retries``; ``train`` gained ``split``, per-step ``micro_batch_reason`` and per-change ``reason``;
+#: ``find`` gained ``verified``, ``base_bytes`` and per-trial ``end_bytes``, and ``memory`` on a real
+#: CPU names the binding limit's figure (``"address_space"``, ``"cgroup"`` or ``"resident"``).
 SCHEMA_VERSION = 2
 
 _PLAN_KEYS = frozenset({
@@ -151,6 +161,7 @@ _PLAN_KEYS = frozenset({
     "fit", "trials", "num_trials", "num_ooms", "seconds", "memory", "binding_limit", "tensor_fit", "snapshot",
     "compiled", "compiled_trials", "compilations",
     "objective", "speed_tolerance", "largest_fitting", "reason", "samples_per_second", "time_fit",
+    "verified", "base_bytes",
 })
 _JOB_KEYS = frozenset({"schema_version", "command", "model", "input_shape", "num_classes", "optimizer", "amp"})
 #: ``--seq-lens``: the answer per length (null without it)
@@ -180,7 +191,7 @@ SCHEMAS: dict[str, frozenset[str]] = {
                         "fewest_seconds", "reason"}),
     "train.plan": _PLAN_KEYS,
     "trial": frozenset({"batch_size", "outcome", "peak_bytes", "start_bytes", "seconds", "tensor_bytes",
-                        "bound_bytes", "step_seconds", "samples_per_second", "alloc_retries"}),
+                        "bound_bytes", "step_seconds", "samples_per_second", "alloc_retries", "end_bytes"}),
     "time_fit": frozenset({"fixed_seconds", "seconds_per_sample"}),
     "snapshot": frozenset({"bytes", "seconds", "on_disk"}),
     "fit": frozenset({"fixed_bytes", "bytes_per_sample"}),
@@ -289,7 +300,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
          "peak_bytes": _int_or_none(t.get("peak_bytes")), "start_bytes": _int_or_none(t.get("start_bytes")),
          "seconds": float(t["seconds"]), "tensor_bytes": _int_or_none(t.get("tensor_bytes")),
          "bound_bytes": _int_or_none(t.get("bound_bytes")), "step_seconds": _float_or_none(t.get("step_seconds")),
-         "samples_per_second": _sps(t), "alloc_retries": _int_or_none(t.get("alloc_retries"))}
+         "samples_per_second": _sps(t), "alloc_retries": _int_or_none(t.get("alloc_retries")),
+         "end_bytes": _int_or_none(t.get("end_bytes"))}
         for t in (x.to_dict() if hasattr(x, "to_dict") else x for x in d["trials"])
     ]
     largest = d.get("largest_fitting")
@@ -321,6 +333,8 @@ def plan_record(plan: Any) -> dict[str, Any]:
         "reason": d.get("reason") or "",
         "samples_per_second": chosen[-1]["samples_per_second"] if chosen else None,
         "time_fit": _time_fit_record(d.get("time_fit")),
+        "verified": bool(d.get("verified", False)),
+        "base_bytes": _int_or_none(d.get("base_bytes")),
     }
 
 
