@@ -380,6 +380,13 @@ def check_finder(r: Runner, capacity: int, target: float, rows: list, doc: dict)
     r.release()
     plan = find_batch_size(r.step, device=r.device, target=target, capacity=capacity, strategy="predict",
                            restore=(r.model, r.optimizer))
+    # the answer trains in the process that asked: ten steps at it, in the allocator state the search left
+    trained = 0
+    with emulate_capacity(capacity, r.device, track=(r.model, r.optimizer)):
+        for _ in range(10):
+            if attempt(r.step, plan.batch_size, device=r.device).oom:
+                break
+            trained += 1
     r.release()
     t0 = time.perf_counter()
     truth, probes = true_max(r, capacity, plan.batch_size)
@@ -388,9 +395,11 @@ def check_finder(r: Runner, capacity: int, target: float, rows: list, doc: dict)
     doc["finder"] = {"capacity": capacity, "target": target, "batch_size": plan.batch_size,
                      "num_trials": plan.num_trials, "num_ooms": plan.num_ooms, "seconds": plan.seconds,
                      "trials": [t.batch_size for t in plan.trials], "true_max": truth, "truth_probes": probes,
-                     "truth_seconds": truth_seconds, "found_over_true": plan.batch_size / truth if truth else None}
+                     "truth_seconds": truth_seconds, "found_over_true": plan.batch_size / truth if truth else None,
+                     "verified": plan.verified, "trained_after": trained}
     rows.append((r.case.name, "finder vs truth", f"cap {format_bytes(capacity)}, target {target}",
-                 f"{plan.batch_size} ({plan.num_trials} trials, {plan.num_ooms} OOM, {plan.seconds:.1f} s)",
+                 f"{plan.batch_size} ({plan.num_trials} trials, {plan.num_ooms} OOM, {plan.seconds:.1f} s, "
+                 f"trains after: {trained}/10)",
                  f"{truth} ({probes} probes)", f"{plan.batch_size / truth:.2f}" if truth else "-"))
     return plan.batch_size
 

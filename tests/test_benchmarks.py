@@ -177,6 +177,7 @@ def test_gpu_validate_runs_on_cpu_small(tmp_path):
         f = m["finder"]
         assert 0 < f["batch_size"] <= f["true_max"], (name, f)  # target 1.0: never above the truth
         assert f["found_over_true"] >= 0.9, (name, f)
+        assert f["trained_after"] == 10, (name, f)  # the answer trains in the process that asked
         assert m["throughput"]["found_samples_per_s"] > 0 and m["throughput"]["base_samples_per_s"] > 0
         rec = m["oom_recovery"]
         assert rec["repeats"][0]["ooms"] >= 1, (name, rec)  # the first micro-batch really ran out of memory
