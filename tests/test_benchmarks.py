@@ -245,7 +245,9 @@ def test_compiled_benchmark_runs_on_the_quick_mlp(tmp_path):
     assert eager["warmup_graphs"] == 0 and compiled["warmup_graphs"] == 1
     assert compiled["peak_graphs"] == 0 and compiled["search_graphs"] == 0  # one dynamic graph for every size
     assert compiled["compiled_trials"] and not eager["compiled_trials"]
-    assert min(compiled["sizes"]) == 2 and min(eager["sizes"]) == 1
+    # a compiled trial at 1 would compile a graph of its own; eager trials on a host begin with the
+    # tensor model's two tiny sizes, 2 and 3
+    assert min(compiled["sizes"]) == 2 and sorted(eager["sizes"])[:2] == [2, 3]
     # the AOT program runs the eager operators: the allocator's peak and the plan agree with eager's
     assert compiled["peak_bytes"] == pytest.approx(eager["peak_bytes"], rel=0.01)
     assert compiled["plan_bytes"] == eager["plan_bytes"]

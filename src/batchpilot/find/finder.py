@@ -343,7 +343,7 @@ def find_batch_size(
         free_memory(dev)
     if answer is None:
         raise _nothing_fits(list(trial_fn.done), space, dev, "nothing_fits" if verified else result.stop_reason)
-    line = fit_line(result.trials, space.limit_bytes)
+    line = _memory_line(result.trials, space.limit_bytes, base)
     tensor_line = _tensor_line(result.trials) if gauge.host else None
     plan = BatchPlan(
         batch_size=answer, target=float(cfg.target), capacity=int(space.capacity_bytes),
@@ -604,6 +604,25 @@ class _CapacityLearner:
 
     def _space(self, space: SearchSpace, capacity: int) -> SearchSpace:
         return dataclasses.replace(space, capacity_bytes=capacity, limit_bytes=_limit(self.target, capacity, self.base))
+
+
+def _memory_line(trials: list[Trial], limit: int, base: int | None) -> tuple[float, float] | None:
+    """``plan.fit``: the line near the boundary through peaks measured from one baseline; ``None`` if not rising.
+
+    On a host each trial starts a little higher than the last (what trials leave behind: JIT
+    code per shape), so its peak is taken from the search's baseline. A line whose per-sample
+    slope is not positive (real memory noisier than the samples between two trials) is no model
+    of the memory; the plan then has none, and what sizes by it (the engine's ``start=plan``, the
+    Accelerate drop-in's retry) measures instead.
+    """
+    if base is not None:
+        trials = [dataclasses.replace(t, peak_bytes=t.peak_bytes - max(0, t.start_bytes - base))
+                  if t.measured and t.start_bytes is not None else t for t in trials]
+    line = fit_line(trials, limit)
+    if line is not None and line[1] <= 0:
+        logger.info("the measured peaks do not rise with the batch size near the boundary: no memory line")
+        return None
+    return line
 
 
 def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
