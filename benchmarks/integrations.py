@@ -43,7 +43,8 @@ from _harness import BENCH_MODELS, ForkRunner, is_allocator_oom, machine, passth
 MiB = 2**20
 METHODS = ("batchpilot-callback", "batchpilot-callback (no capacity)", "lightning-power", "lightning-binsearch")
 REFERENCE = "lightning-power"
-COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "seconds", "÷ lightning-power", "outcome")
+COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "seconds", "÷ lightning-power", "fit trains",
+           "outcome")
 # the fork server of peers.py, which also imports this module and the callback
 peers._preload = peers.PRELOAD + ("integrations", "batchpilot.integrations.lightning")
 
@@ -93,11 +94,14 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     root = tempfile.mkdtemp(prefix="bp-integrations-")
 
+    trainers: list[Any] = []
+
     def fit(callbacks: list, max_steps: int) -> Module:
         module = Module()
-        L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                  callbacks=callbacks).fit(module)
+        trainers.append(L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                  default_root_dir=root, callbacks=callbacks))
+        trainers[-1].fit(module)
         return module
 
     runs: list[list[Any]] = []
@@ -135,9 +139,10 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     w.optimizer.zero_grad(set_to_none=True)
     callback = Timed(**kwargs)
     peers._cap(setting)
-    found, outcome = None, "ok"
+    found, outcome, train_error = None, "ok", None
     try:
-        fit([callback], 0)
+        # the fit goes on at the answer after the search: it must train, in the process that searched
+        fit([callback], peers.AFTER_STEPS)
         if method.startswith("lightning"):
             found = callback.optimal_batch_size
         else:
@@ -147,8 +152,14 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
                 real = t.outcome == "oom" and "DefaultCPUAllocator" in (t.message or "")
                 runs.append([t.batch_size, "oom" if real else ("emulated_oom" if t.outcome == "oom" else "ok")])
     except BaseException as exc:  # reported as the row's outcome, never hidden
-        outcome = peers._crashed(exc)
-    return {"found": found, "runs": runs, "seconds": timing.get("seconds"), "outcome": outcome}
+        if "seconds" in timing and trainers[-1].global_step < peers.AFTER_STEPS:  # the search ended: the fit failed
+            train_error = peers._crashed(exc)
+            found = callback.optimal_batch_size if method.startswith("lightning") else callback.setup.found_batch_size
+        else:
+            outcome = peers._crashed(exc)
+    trained = trainers[-1].global_step if "seconds" in timing else None
+    return {"found": found, "runs": runs, "seconds": timing.get("seconds"), "outcome": outcome,
+            "trained": trained, "train_error": train_error}
 
 
 # ---------------------------------------------------------------------------
@@ -181,7 +192,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     f = peers._fmt
     return format_table(COLUMNS, [
         (r["method"], r["model"], f(r.get("found")), f(r.get("found_over_true")), f(r.get("trials")),
-         f(r.get("ooms")), f(r.get("seconds"), 1), f(r.get("vs_peer")), r.get("outcome", ""))
+         f(r.get("ooms")), f(r.get("seconds"), 1), f(r.get("vs_peer")), peers._trained(r), r.get("outcome", ""))
         for r in rows
     ])
 
@@ -190,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     models = args.models or (["mlp"] if args.quick else list(BENCH_MODELS))
     methods = args.methods or list(METHODS)
     cap = args.cap_mib if args.cap_mib is not None else (16 if args.quick else 64)
-    setting = peers.Setting(cap_mib=cap, quick=args.quick)
+    setting = peers.Setting(cap_mib=cap, quick=args.quick, malloc=args.malloc, conv_backends=args.conv_backends)
     t0 = time.perf_counter()
     truth, rows = {}, []
     for model in models:
@@ -225,6 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", type=lambda s: s.split(","), default=None, help=f"comma-separated, from {','.join(METHODS)}")
     p.add_argument("--quick", action="store_true", help="the small MLP under a 16 MiB cap: a smoke test")
     p.add_argument("--target", type=float, default=1.0, help="batchpilot's target fraction of the capacity (default 1.0)")
+    p.add_argument("--malloc", choices=peers.MALLOC_SETTINGS, default="fixed",
+                   help="glibc mmap threshold in the measured processes (see peers.py; default fixed)")
+    p.add_argument("--conv-backends", action="store_true", help="leave oneDNN and NNPACK on (off by default)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--no-cache", action="store_true", help="recompute the true max (and do not store it)")
     args = p.parse_args(argv)
@@ -247,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print()
     print(f"integrations: Lightning callbacks at on_fit_start, cap {result['cap_mib']} MiB of address space per process "
-          f"(RLIMIT_AS), malloc {result['malloc']}, oneDNN/NNPACK off, batchpilot target {result['target']}, "
+          f"(RLIMIT_AS), malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, "
+          f"batchpilot target {result['target']}, "
           f"torch {result['machine']['torch']}, {result['date']}")
     print("true max: " + ", ".join(f"{m} {t['batch_size']}" for m, t in result["truth"].items()))
     print(table(result["rows"]))

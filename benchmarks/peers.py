@@ -46,6 +46,7 @@ import gc
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +77,8 @@ from _harness import (  # noqa: E402
 from cgroup import cgroup_unavailable_reason, join_cgroup, memory_cgroup  # noqa: E402
 
 MiB = 2**20
+#: glibc's mmap threshold in the measured processes (see ``_harness.child_env``)
+MALLOC_SETTINGS = ("fixed", "dynamic")
 TRUTH_CACHE = CACHE_DIR / "peers_truth.json"
 TRUTH_STEPS = 2
 # Bump when the harness changes what a probe allocates (data pipeline, warm-up): cached truths then expire.
@@ -83,7 +86,12 @@ HARNESS_VERSION = 4
 BATCHPILOT = ("batchpilot-predict", "batchpilot-power", "batchpilot-binsearch")
 NO_CAPACITY = " (no capacity)"  # a batchpilot method told nothing about the cap
 LIGHTNING = ("lightning-power", "lightning-binsearch")
-METHODS = (*BATCHPILOT, "batchpilot-predict" + NO_CAPACITY, "batchpilot-predict@0.8", *LIGHTNING, "accelerate")
+# told nothing, at the finder's default target and at 0.99 ("the largest that still trains"): issue #23's goals
+NO_CAPACITY_TARGETS = ("batchpilot-predict@0.8" + NO_CAPACITY, "batchpilot-predict@0.99" + NO_CAPACITY)
+# batchpilot.integrations.accelerate's drop-in, told nothing, in Accelerate's own pattern
+DROP_IN = "batchpilot-accelerate@0.99" + NO_CAPACITY
+METHODS = (*BATCHPILOT, "batchpilot-predict" + NO_CAPACITY, *NO_CAPACITY_TARGETS, "batchpilot-predict@0.8", *LIGHTNING,
+           "accelerate", DROP_IN)
 QUICK_METHODS = (*BATCHPILOT, "batchpilot-predict" + NO_CAPACITY, *LIGHTNING, "accelerate")
 # --container: a capacity would be the limit itself, so batchpilot runs only without one
 CONTAINER_METHODS = ("batchpilot-predict@0.9" + NO_CAPACITY, "batchpilot-predict" + NO_CAPACITY, *LIGHTNING,
@@ -91,26 +99,30 @@ CONTAINER_METHODS = ("batchpilot-predict@0.9" + NO_CAPACITY, "batchpilot-predict
 CONTAINER_DEFAULT = ("batchpilot-predict@0.9" + NO_CAPACITY, "lightning-power", "accelerate")
 REFERENCE = "batchpilot-predict"
 PEER_REFERENCE = "lightning-power"
-COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "emulated", "seconds", "x predict",
-           "÷ lightning-power", "outcome")
-CONTAINER_COLUMNS = ("method", "model", "found", "found/true", "trials", "OOMs", "killed", "seconds",
-                     "÷ lightning-power", "outcome")
+COLUMNS = ("malloc", "method", "model", "found", "found/true", "trials", "OOMs", "emulated", "seconds", "x predict",
+           "÷ lightning-power", "trains after", "outcome")
+CONTAINER_COLUMNS = ("malloc", "method", "model", "found", "found/true", "trials", "OOMs", "killed", "seconds",
+                     "÷ lightning-power", "trains after", "outcome")
+#: training steps run at the answer after the search, in the process that searched (column "trains after")
+AFTER_STEPS = 10
 # Imported once by the fork server, so that every measurement starts with them loaded.
 # torch._dynamo (and sympy with it, ~100 MB) is what the first optimizer step imports: without
 # it here every child of a server without Lightning would pay it, and in a cgroup that counts.
 PRELOAD = ("torch", "torch._dynamo", "_harness", "peers", "batchpilot.find.finder", "batchpilot.app.report",
-           "lightning", "lightning.pytorch.tuner", "accelerate", "accelerate.utils")
+           "lightning", "lightning.pytorch.tuner", "accelerate", "accelerate.utils", "batchpilot.integrations.accelerate")
 # A peer is preloaded only when one of its methods runs: Lightning's imports add about 140 MB of
 # resident memory to every child (measured 2026-12-01: 297 MB with torch alone, 435 MB with
 # Lightning, 303 MB with Accelerate), which a child without a capacity counts as its own.
-_PEER_MODULES = {"lightning": ("lightning", "lightning.pytorch.tuner"), "accelerate": ("accelerate", "accelerate.utils")}
+_PEER_MODULES = {"lightning": ("lightning", "lightning.pytorch.tuner"),
+                 "accelerate": ("accelerate", "accelerate.utils", "batchpilot.integrations.accelerate")}
 _preload: tuple[str, ...] = PRELOAD
 _runners: dict[str, ForkRunner] = {}
 
 
 def preload_for(methods: list[str]) -> tuple[str, ...]:
     """:data:`PRELOAD` without the peers that none of ``methods`` uses."""
-    families = {parse_method(m)[0] for m in methods}
+    # the drop-in for Accelerate's decorator needs Accelerate
+    families = {"accelerate" if parse_method(m)[1] == "accelerate" else parse_method(m)[0] for m in methods}
     unused = {mod for peer, mods in _PEER_MODULES.items() if peer not in families for mod in mods}
     return tuple(m for m in PRELOAD if m not in unused)
 
@@ -395,6 +407,65 @@ def _accelerate(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str
     }
 
 
+def _batchpilot_accelerate(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str, Any]:
+    """batchpilot's drop-in for Accelerate's decorator, told nothing about the cap, in Accelerate's pattern:
+    the decorated function prepares the model, optimizer and loader and trains; its final call trains
+    :data:`AFTER_STEPS` steps at the answer (the decorator's own retry on an OOM there is counted)."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from batchpilot.integrations.accelerate import find_executable_batch_size
+
+    target = parse_method(spec["method"])[2] or spec["target"]
+    calls: list[tuple[int, str]] = []  # every call of the function: the trials, then the final run(s)
+    note = _journal(spec) or (lambda b, kind: None)
+    accelerator = Accelerator(cpu=True)
+
+    @find_executable_batch_size(starting_batch_size=spec["start"], target=target)
+    def train(batch_size: int) -> int:
+        note(batch_size, "start")
+        accelerator.free_memory()
+        loader = DataLoader(w.dataset, batch_size=batch_size, collate_fn=passthrough)
+        model, optimizer, loader = accelerator.prepare(w.model, w.optimizer, loader)
+        steps = 0
+        try:
+            for batch in loader:
+                optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(w.loss(batch))
+                optimizer.step()  # in a trial, the decorator stops the function here after its steps
+                steps += 1
+                if steps == AFTER_STEPS:
+                    break
+        except BaseException as exc:
+            calls.append((batch_size, "oom" if is_allocator_oom(exc) else "error" if isinstance(exc, Exception)
+                          else "ok"))  # a BaseException is the decorator ending a trial
+            note(*calls[-1])
+            raise
+        calls.append((batch_size, "ok"))
+        note(batch_size, "ok")
+        return steps
+
+    _cap(setting)
+    note(None, "begin")
+    t0 = time.perf_counter()
+    found, outcome, trained = None, "ok", None
+    try:
+        trained = train()
+        found = train.batch_size
+    except BaseException as exc:  # reported as the row's outcome, never hidden
+        outcome = _crashed(exc)
+    finals = len(calls) - len(train.plan.trials) if train.plan is not None else 0
+    return {
+        "found": found,
+        "runs": [[b, kind] for b, kind in calls],
+        "seconds": time.perf_counter() - t0,
+        "outcome": outcome,
+        "final_runs": finals,  # calls of the function after the search: 1 unless the final run ran out
+        "function_steps": trained,
+        "start": spec["start"],
+    }
+
+
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     _enter(spec)
     family = parse_method(spec["method"])[0]
@@ -402,8 +473,35 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
         import lightning  # noqa: F401  imported before the cap, as a user's script would
     if family == "accelerate":
         import accelerate  # noqa: F401
+    if family == "batchpilot" and parse_method(spec["method"])[1] == "accelerate":
+        import accelerate  # noqa: F401,F811
+        family = "batchpilot-accelerate"
     w, setting = _prepare(spec)
-    return {"batchpilot": _batchpilot, "lightning": _lightning, "accelerate": _accelerate}[family](w, setting, spec)
+    row = {"batchpilot": _batchpilot, "lightning": _lightning, "accelerate": _accelerate,
+           "batchpilot-accelerate": _batchpilot_accelerate}[family](w, setting, spec)
+    if row.get("found") and row["outcome"] == "ok":
+        row.update(_train_after(w, row["found"], _journal(spec)))
+    return row
+
+
+def _train_after(w: Workload, b: int, note: Callable[[Any, str], None] | None) -> dict[str, Any]:
+    """What the answer is for: :data:`AFTER_STEPS` training steps at it, in the process that searched.
+
+    Everything the search left behind (allocator state, JIT code, freed-but-mapped heap, oneDNN's
+    state after a failure) is still there, as it is for the user's training loop that follows.
+    """
+    done, error = 0, None
+    for _ in range(AFTER_STEPS):
+        if note is not None:
+            note(b, "after")
+        try:
+            w.train_step(b)
+        except RuntimeError as exc:  # an OOM of any kind here is the row's finding, not the harness's
+            error = _crashed(exc)
+            break
+        done += 1
+    w.optimizer.zero_grad(set_to_none=True)
+    return {"trained": done, "train_error": error}
 
 
 # ---------------------------------------------------------------------------
@@ -484,9 +582,11 @@ def _cap_text(setting: Setting) -> str:
     return f"{setting.container_mib} MiB cgroup" if setting.container_mib else f"{setting.cap_mib} MiB"
 
 
-def _journal_runs(path: Path, batchpilot: bool) -> tuple[list[list[Any]], float | None]:
-    """A killed child's trials from its journal, the one it died in last as ``"killed"``; and when its search began."""
+def _journal_runs(path: Path, batchpilot: bool) -> tuple[list[list[Any]], float | None, list[int]]:
+    """A killed child's trials from its journal, the one it died in last as ``"killed"``; when its search
+    began; and the batch of each training step it began after the search (the last one is where it died)."""
     calls: list[tuple[int, str]] = []
+    after: list[int] = []
     began, started = None, None
     for line in path.read_text().splitlines():
         try:
@@ -495,6 +595,9 @@ def _journal_runs(path: Path, batchpilot: bool) -> tuple[list[list[Any]], float 
             continue
         if kind == "begin":
             began = t
+        elif kind == "after":  # a training step at the answer, after the search: not a trial
+            after.append(b)
+            started = None
         elif kind == "start":
             started = b
         else:
@@ -503,8 +606,8 @@ def _journal_runs(path: Path, batchpilot: bool) -> tuple[list[list[Any]], float 
     if started is not None:
         calls.append((started, "killed"))
     if not batchpilot:  # Lightning's and Accelerate's calls are trials already
-        return [[b, kind] for b, kind in calls], began
-    return [[b, _trial_kind(kinds)] for b, kinds in merge_calls(calls)], began
+        return [[b, kind] for b, kind in calls], began, after
+    return [[b, _trial_kind(kinds)] for b, kinds in merge_calls(calls)], began, after
 
 
 def _trial_kind(kinds: set[str]) -> str:
@@ -528,11 +631,15 @@ def measure(method: str, model: str, setting: Setting, truth: int, *, target: fl
         if r.ok:
             row = r.data
         elif killed:  # the kernel's answer: no result, only the journal
-            runs, began = _journal_runs(journal, parse_method(method)[0] == "batchpilot")
+            runs, began, after = _journal_runs(journal, parse_method(method)[0] == "batchpilot")
             last = runs[-1][0] if runs and runs[-1][1] == "killed" else None
-            row = {"found": None, "runs": runs, "seconds": ended - began if began else None,
-                   "outcome": f"killed (SIGKILL{'' if cg['oom_kills'] else ', not by the OOM killer'})"
-                              + (f" at b={last}" if last is not None else "")}
+            how = f"killed (SIGKILL{'' if cg['oom_kills'] else ', not by the OOM killer'})"
+            if after:  # the search answered; the kernel killed the training that followed
+                row = {"found": after[0], "runs": runs, "seconds": None, "outcome": "ok",
+                       "trained": len(after) - 1, "train_error": f"{how} in training step {len(after)}"}
+            else:
+                row = {"found": None, "runs": runs, "seconds": ended - began if began else None,
+                       "outcome": how + (f" at b={last}" if last is not None else "")}
         else:  # an error outside the method, or a process killed outside Python's reach: still a row
             last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
             row = {"found": None, "trials": None, "ooms": None, "seconds": None,
@@ -540,7 +647,7 @@ def measure(method: str, model: str, setting: Setting, truth: int, *, target: fl
     finally:
         if journal is not None:
             journal.unlink(missing_ok=True)
-    row.update(method=method, model=model, true_max=truth)
+    row.update(method=method, model=model, true_max=truth, malloc=setting.malloc)
     if cg is not None:
         row.update(killed=killed, cgroup=cg)
     runs = row.get("runs")
@@ -566,20 +673,28 @@ def _fmt(v: Any, digits: int = 2) -> Any:
     return round(v, digits) if isinstance(v, float) else v
 
 
+def _trained(r: dict[str, Any]) -> str:
+    """The "trains after" cell: ``10/10``, or the steps that ran and how the next one failed."""
+    if r.get("trained") is None:
+        return "-"
+    cell = f"{r['trained']}/{AFTER_STEPS}"
+    return cell if not r.get("train_error") else f"{cell} ({r['train_error'][:60]})"
+
+
 def table(rows: list[dict[str, Any]], *, container: bool = False) -> str:
     from batchpilot.app.report import format_table
 
     if container:
         return format_table(CONTAINER_COLUMNS, [
-            (r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")), _fmt(r.get("trials")),
-             _fmt(r.get("ooms")), _fmt(r.get("killed")), _fmt(r.get("seconds"), 1), _fmt(r.get("vs_peer")),
-             r.get("outcome", ""))
+            (r.get("malloc", "-"), r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")),
+             _fmt(r.get("trials")), _fmt(r.get("ooms")), _fmt(r.get("killed")), _fmt(r.get("seconds"), 1),
+             _fmt(r.get("vs_peer")), _trained(r), r.get("outcome", ""))
             for r in rows
         ])
     return format_table(COLUMNS, [
-        (r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")), _fmt(r.get("trials")),
-         _fmt(r.get("ooms")), _fmt(r.get("emulated")), _fmt(r.get("seconds"), 1), _fmt(r.get("relative")),
-         _fmt(r.get("vs_peer")), r.get("outcome", ""))
+        (r.get("malloc", "-"), r["method"], r["model"], _fmt(r.get("found")), _fmt(r.get("found_over_true")),
+         _fmt(r.get("trials")), _fmt(r.get("ooms")), _fmt(r.get("emulated")), _fmt(r.get("seconds"), 1),
+         _fmt(r.get("relative")), _fmt(r.get("vs_peer")), _trained(r), r.get("outcome", ""))
         for r in rows
     ])
 
@@ -608,11 +723,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         _preload = preload_for(methods)
     if container:
         limit = args.container_mib if args.container_mib is not None else (256 if args.quick else 1536)
-        setting = Setting(cap_mib=0, quick=args.quick, malloc=args.malloc, conv_backends=args.conv_backends,
-                          container_mib=limit)
+        setting = Setting(cap_mib=0, quick=args.quick, malloc=args.malloc[0],
+                          conv_backends=args.conv_backends, container_mib=limit)
     else:
         cap = args.cap_mib if args.cap_mib is not None else (16 if args.quick else 64)
-        setting = Setting(cap_mib=cap, quick=args.quick, malloc=args.malloc, conv_backends=args.conv_backends)
+        setting = Setting(cap_mib=cap, quick=args.quick, malloc=args.malloc[0], conv_backends=args.conv_backends)
     t0 = time.perf_counter()
     truth, rows = {}, []
     for model in models:
@@ -655,8 +770,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=1.0,
                    help="batchpilot's target fraction of the capacity where the method name gives none (default 1.0)")
     p.add_argument("--accelerate-start", type=float, default=4.0, help="accelerate's starting batch, x true max (default 4)")
-    p.add_argument("--malloc", choices=("fixed", "dynamic"), default="fixed",
-                   help="glibc mmap threshold: fixed at 128 KiB (default) or glibc's history-dependent default")
+    p.add_argument("--malloc", type=lambda s: s.split(","), default=["fixed"],
+                   help="glibc mmap threshold: fixed at 128 KiB (default), dynamic (glibc's history-dependent "
+                        "default), or fixed,dynamic: both, each in a process of its own, one table keyed by it")
     p.add_argument("--conv-backends", action="store_true",
                    help="leave oneDNN and NNPACK on (off by default; see Setting.conv_backends)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -671,11 +787,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for m in args.models or ():
         if m not in BENCH_MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(BENCH_MODELS)}")
+    for m in args.malloc:
+        if m not in MALLOC_SETTINGS:
+            p.error(f"unknown --malloc {m!r}; choose from {', '.join(MALLOC_SETTINGS)} (or both, comma-separated)")
+    if len(set(args.malloc)) != len(args.malloc):
+        p.error(f"--malloc names a setting twice: {','.join(args.malloc)}")
     if args.container and args.cap_mib is not None:
         p.error("--cap-mib is the address-space cap; with --container the limit is --container-mib")
     if args.container_mib is not None and not args.container:
         p.error("--container-mib needs --container")
     return args
+
+
+def _without(argv: list[str], *options: str) -> list[str]:
+    """``argv`` less ``options`` and their values (``--opt V`` or ``--opt=V``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not any(a.startswith(o + "=") for o in options):
+            out.append(a)
+    return out
+
+
+def run_each_malloc(argv: list[str], settings: list[str]) -> dict[str, Any] | None:
+    """The comparison once per glibc setting, each in a process of its own (a fork server has one
+    environment), merged into one result whose rows carry their ``malloc``."""
+    base = _without(argv, "--malloc", "--json")
+    docs = []
+    with tempfile.TemporaryDirectory(prefix="bp-peers-") as tmp:
+        for m in settings:
+            out = Path(tmp) / f"{m}.json"
+            print(f"== malloc {m}", flush=True)
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *base, "--malloc", m, "--json", str(out)],
+                           check=True)
+            doc = json.loads(out.read_text())
+            if doc.get("skipped"):
+                return None
+            docs.append(doc)
+    first = docs[0]
+    return {**first, "command": "python benchmarks/peers.py " + " ".join(argv), "malloc": ",".join(settings),
+            "truth": {d["malloc"]: d["truth"] for d in docs}, "rows": [r for d in docs for r in d["rows"]],
+            "seconds": sum(d["seconds"] for d in docs)}
+
+
+def _truth_text(result: dict[str, Any]) -> str:
+    if "," not in result["malloc"]:
+        return ", ".join(f"{m} {t['batch_size']}" for m, t in result["truth"].items())
+    return "; ".join(f"{malloc}: " + ", ".join(f"{m} {t['batch_size']}" for m, t in truth.items())
+                     for malloc, truth in result["truth"].items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -684,7 +846,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.child)
         emit(_probe(spec) if spec["kind"] == "probe" else _measure(spec))
         return 0
-    result = run(args)
+    if len(args.malloc) > 1:
+        result = run_each_malloc(list(sys.argv[1:] if argv is None else argv), args.malloc)
+    else:
+        result = run(args)
     if result is None:
         if args.json is not None:
             from batchpilot.app.report import write_json
@@ -699,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"peers: cap {result['cap_mib']} MiB of address space per process (RLIMIT_AS), "
               f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, torch {result['machine']['torch']}, {result['date']}")
-    print("true max: " + ", ".join(f"{m} {t['batch_size']}" for m, t in result["truth"].items()))
+    print("true max: " + _truth_text(result))
     print(table(result["rows"], container=bool(result["container_mib"])))
     print(f"total {result['seconds']:.0f} s")
     if args.json is not None:

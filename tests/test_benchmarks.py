@@ -82,6 +82,8 @@ def test_call_log_journals_each_call_before_and_after():
     ("batchpilot-predict@0.9 (no capacity)", ("batchpilot", "predict", 0.9, True)),
     ("lightning-binsearch", ("lightning", "binsearch", None, False)),
     ("accelerate", ("accelerate", "", None, False)),
+    ("batchpilot-predict@0.99 (no capacity)", ("batchpilot", "predict", 0.99, True)),
+    ("batchpilot-accelerate@0.99 (no capacity)", ("batchpilot", "accelerate", 0.99, True)),
 ])
 def test_peers_method_names(name, parts):
     import peers
@@ -106,9 +108,30 @@ def test_a_killed_childs_trials_come_back_from_its_journal(tmp_path):
              [900, "start", 100.5], [900, "ok", 100.6], [900, "start", 100.7]]
     journal.write_text("".join(json.dumps(x) + "\n" for x in lines) + '[901, "st')  # the kill cut the last line
     # batchpilot's calls are steps, merged into trials; the one it died in is "killed"
-    assert peers._journal_runs(journal, batchpilot=True) == ([[1, "ok"], [900, "killed"]], 100.0)
+    assert peers._journal_runs(journal, batchpilot=True) == ([[1, "ok"], [900, "killed"]], 100.0, [])
     # a peer's calls are its trials already
-    assert peers._journal_runs(journal, batchpilot=False) == ([[1, "ok"], [1, "ok"], [900, "ok"], [900, "killed"]], 100.0)
+    assert peers._journal_runs(journal, batchpilot=False) == ([[1, "ok"], [1, "ok"], [900, "ok"], [900, "killed"]], 100.0, [])
+
+
+def test_a_child_killed_in_training_after_its_search_is_told_from_one_killed_in_a_trial(tmp_path):
+    import peers
+
+    journal = tmp_path / "j.jsonl"
+    lines = [[None, "begin", 100.0], [8, "start", 100.1], [8, "ok", 100.2], [16, "start", 100.3], [16, "ok", 100.4],
+             [16, "after", 100.5], [16, "after", 100.6], [16, "after", 100.7]]
+    journal.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # the search's trials, and the three training steps begun at its answer: the kill came in the third
+    assert peers._journal_runs(journal, batchpilot=True) == ([[8, "ok"], [16, "ok"]], 100.0, [16, 16, 16])
+
+
+def test_peers_runs_each_malloc_setting_without_repeating_the_options():
+    import peers
+
+    argv = ["--quick", "--malloc", "fixed,dynamic", "--json=/tmp/x.json", "--models", "mlp"]
+    assert peers._without(argv, "--malloc", "--json") == ["--quick", "--models", "mlp"]
+    assert peers.parse_args(["--malloc", "fixed,dynamic"]).malloc == ["fixed", "dynamic"]
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--malloc", "fixd"])
 
 
 def test_allocator_oom_is_told_from_the_emulated_one():
