@@ -93,3 +93,17 @@ def test_when_nothing_runs_again_the_search_says_nothing_fits(monkeypatch):
     monkeypatch.setattr(finder, "gauge_for", lambda dev, emulated_capacity=None: sim)
     with pytest.raises(finder.NothingFitsError):
         find_batch_size(sim.step, device="cpu", strategy="binsearch", target=1.0)
+
+
+def test_a_memory_line_that_does_not_rise_is_no_model():
+    from batchpilot.policy.search import Trial
+
+    # the second trial starts 4 MB above the first (what the first left behind): from the search's
+    # baseline the peaks rise by 1 MB a sample, not the raw 1.4 MB
+    crept = [Trial(batch_size=b, outcome=FIT, peak_bytes=p, start_bytes=s)
+             for b, p, s in ((10, 110 * MB, 100 * MB), (20, 124 * MB, 104 * MB))]
+    assert finder._memory_line(crept, limit=200 * MB, base=100 * MB) == pytest.approx((100 * MB, 1 * MB))
+    # raw peaks that fall with the batch (noise larger than the samples between two trials): no line
+    falling = [Trial(batch_size=b, outcome=FIT, peak_bytes=p, start_bytes=100 * MB)
+               for b, p in ((10, 130 * MB), (20, 125 * MB))]
+    assert finder._memory_line(falling, limit=200 * MB, base=100 * MB) is None

@@ -482,3 +482,18 @@ def test_an_oom_the_model_did_not_foresee_is_not_repeated():
     ooms = [t for t in result.trials if t.outcome == OOM]
     assert len(ooms) == 1 and result.trials.index(ooms[0]) < len(result.trials) - 1
     assert result.trials[-1].fits and len(sizes) <= 6, sizes
+
+
+def dip(b: int) -> int:
+    # real memory that falls between two small sizes (a cache released, noise larger than the
+    # samples between them): the line through them slopes down and never reaches the limit
+    return 100_000 - 40 * b if b < 40 else 98_400 + 600 * (b - 40)
+
+
+def test_predict_does_not_follow_a_falling_line_and_still_finds_the_boundary():
+    res, seq, space = run(PredictPolicy(first_guess=2), dip, capacity=300_000, start=90_000)
+    # 2 -> 30 measures a falling peak: a line through them never reaches the limit, so it is no
+    # model; the search grows past it, brackets the boundary and lands on it exactly
+    assert seq[:2] == [2, 30] and res.trials[1].peak_bytes < res.trials[0].peak_bytes
+    assert res.batch_size == true_max(dip, space.limit_bytes) == 276
+    assert len(seq) <= 6 and sum(t.outcome == OOM for t in res.trials) <= 1
