@@ -211,6 +211,18 @@ def test_shell_blocks_name_real_commands_and_options():
     assert not problems, "\n".join(problems)
 
 
+def test_every_option_the_cli_page_names_exists():
+    from batchpilot.app.cli import build_parser
+
+    parser = build_parser()
+    known = set(parser._option_string_actions)
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        known |= set(sub._option_string_actions)
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", (ROOT / "docs" / "cli.md").read_text()))
+    typo = {"--capcity"}  # the page's example of the near-miss hint
+    assert typo <= named and not named - known - typo, sorted(named - known - typo)
+
+
 def test_the_readme_is_short_and_links_every_reference_page():
     readme = (ROOT / "README.md").read_text()
     assert readme.count("\n") <= README_MAX_LINES
