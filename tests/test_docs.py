@@ -231,11 +231,21 @@ def test_the_readme_is_short_and_links_every_reference_page():
     assert not unlinked, f"README.md links no docs page named {unlinked}"
 
 
-def test_relative_links_point_at_files_that_exist():
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
+
+
+def test_relative_links_point_at_files_and_headings_that_exist():
     broken = []
     for page in PAGES:
         for m in _LINK.finditer(page.read_text()):
-            target = m.group("target").split("#", 1)[0]
-            if target and "://" not in target and not (page.parent / target).exists():
+            target, _, anchor = m.group("target").partition("#")
+            if "://" in target:
+                continue
+            path = (page.parent / target) if target else page
+            if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
                 broken.append(f"{page.relative_to(ROOT)}: {m.group('target')}")
     assert not broken, "\n".join(broken)
