@@ -79,6 +79,17 @@ def test_a_model_error_at_a_length_keeps_its_type_and_names_the_batch_size_and_l
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # state put back
 
 
+def test_the_length_note_advises_a_shorter_length_only_when_the_length_may_be_the_cause() -> None:
+    from batchpilot.find.lengths import length_note
+
+    plain = "batchpilot: in the search at sequence length 32"
+    assert length_note(32, [64], own=True) == plain  # 64 ran: 32 is not too long for the model
+    assert length_note(32, [], own=False) == plain  # batchpilot's own error (nothing fits): no advice
+    assert length_note(300, [128, 256], own=True).startswith(
+        "batchpilot: in the search at sequence length 300 (the longest length that ran is 256); if the model "
+        "takes no sequences of 300 tokens")
+
+
 def test_fit_lengths_sequences() -> None:
     import doctest
 

@@ -306,7 +306,7 @@ def heldout_plan():
     return plan
 
 
-@pytest.mark.parametrize("lengths", [None, True])
+@pytest.mark.parametrize("lengths", [None, True, LengthConfig(split=True)], ids=["none", "true", "split"])
 def test_a_plan_found_on_batches_without_an_attention_mask_sizes_the_engine_on_its_seq_dim(heldout_plan,
                                                                                              lengths) -> None:
     import heldout_lm as lm

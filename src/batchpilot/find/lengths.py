@@ -76,7 +76,7 @@ def length_note(length: int, ran: list[int], *, own: bool) -> str:
     position table, a ``max_length``) gets advice that names none longer than those.
     """
     note = f"batchpilot: in the search at sequence length {length}"
-    if not own:
+    if not own or any(L > length for L in ran):  # a longer length ran: not the length's fault
         return note
     longest = f"the longest length that ran is {max(ran)}" if ran else "no length ran before it"
     return (f"{note} ({longest}); if the model takes no sequences of {length} tokens (a position table, a "
