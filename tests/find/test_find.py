@@ -189,6 +189,20 @@ def test_non_oom_errors_propagate_untouched_and_state_is_restored():
     assert_same_state(before, state_of(model, opt))
 
 
+def test_a_non_oom_error_keeps_its_type_and_gains_a_note_naming_the_trials_batch_size():
+    calls = []
+
+    def step(b: int) -> None:
+        calls.append(b)
+        if b > 1:
+            raise KeyError("the user's own bug")
+
+    with pytest.raises(KeyError) as info:
+        find_batch_size(step, device="cpu", capacity=CAPACITY)
+    assert calls[-1] > 1
+    assert info.value.__notes__ == [f"batchpilot: raised by the step in a finder trial at batch size {calls[-1]}"]
+
+
 # ---------------------------------------------------------------------------
 # strategies, eval mode, options
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -58,6 +60,34 @@ def test_bad_input_fails_before_any_trial(kwargs, match) -> None:
     example = padded_lm_batch([64, 10], vocab=64, pad_to=64)
     with pytest.raises(ValueError, match=match):
         find_batch_size_for(model, example, optimizer=opt, loss_fn=lm_loss, capacity=CAP, **kwargs)
+
+
+def test_a_model_error_at_a_length_keeps_its_type_and_names_the_batch_size_and_length() -> None:
+    """A held-out LM whose position table holds 48, asked for lengths up to 64: its IndexError, told where."""
+    import heldout_lm as lm
+
+    net = lm.model(max_positions=48)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(IndexError, match="index out of range") as info:
+        find_batch_size_for(net, lm.batch([64, 20], seed=1), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                            loss_fn=lm.loss, capacity=CAP, lengths=(16, 64), seq_dim=1)
+    first, second = info.value.__notes__
+    assert re.fullmatch(r"batchpilot: raised by the step in a finder trial at batch size \d+", first), first
+    # the longest is searched first: nothing ran, so no length is recommended that the model cannot take
+    assert second.startswith("batchpilot: in the search at sequence length 64 (no length ran before it); if the "
+                             "model takes no sequences of 64 tokens"), second
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # state put back
+
+
+def test_the_length_note_advises_a_shorter_length_only_when_the_length_may_be_the_cause() -> None:
+    from batchpilot.find.lengths import length_note
+
+    plain = "batchpilot: in the search at sequence length 32"
+    assert length_note(32, [64], own=True) == plain  # 64 ran: 32 is not too long for the model
+    assert length_note(32, [], own=False) == plain  # batchpilot's own error (nothing fits): no advice
+    assert length_note(300, [128, 256], own=True).startswith(
+        "batchpilot: in the search at sequence length 300 (the longest length that ran is 256); if the model "
+        "takes no sequences of 300 tokens")
 
 
 def test_fit_lengths_sequences() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -283,3 +284,98 @@ def test_a_sizer_state_meets_an_engine_without_lengths_or_before_its_first_step(
     state = fresh.state_dict()
     assert state["lengths"]["budget"] is None
     _engine(_model()).load_state_dict(state)  # nothing learnt yet: nothing to restore, no error
+
+
+# ---------------------------------------------------------------------- a user's own LM, padding marked by labels
+# the held-out causal LM of tests/helpers/heldout_lm.py: {"input_ids", "labels"}, labels -100 at the pads,
+# no attention_mask, a position table of 64
+
+
+@pytest.fixture(scope="module")
+def heldout_plan():
+    """find_batch_size_for at three lengths on the user's batches, as the README's find -> train does."""
+    import heldout_lm as lm
+
+    from batchpilot import find_batch_size_for
+
+    net = lm.model()
+    example = lm.batch([64, 30, 10, 50], seed=2)
+    plan = find_batch_size_for(net, example, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=lm.loss,
+                               capacity=CAP, lengths=(16, 32, 64), seq_dim=1)
+    assert plan.seq_dim == 1 and plan.per_length[16] > plan.per_length[64] >= 1
+    return plan
+
+
+@pytest.mark.parametrize("lengths", [None, True, LengthConfig(split=True)], ids=["none", "true", "split"])
+def test_a_plan_found_on_batches_without_an_attention_mask_sizes_the_engine_on_its_seq_dim(heldout_plan,
+                                                                                             lengths) -> None:
+    import heldout_lm as lm
+
+    net = lm.model()
+    widths = [64, 24, 48]
+    data = lm.batches(widths, N)
+    expected = lm.plain_steps(net, data)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    engine = Engine(net, opt, lm.loss, global_batch_size=N, start=heldout_plan, lengths=lengths,
+                    config=EngineConfig(capacity=CAP))
+    with emulate_capacity(CAP):
+        results = [engine.step(b) for b in data]
+    assert engine.lengths.config.seq_dim == 1  # the plan's dim, not "read the attention_mask"
+    assert [r.length for r in results] == widths
+    assert [r.ooms for r in results] == [0, 0, 0] and engine.lengths.verifications == 0
+    micro = {r.length: r.micro_batch_size for r in results}
+    assert micro[24] > micro[64] and micro[64] == min(heldout_plan.per_length[64], N)
+    _assert_same_params(net, expected)
+
+
+def test_split_reads_each_samples_length_from_labels_when_there_is_no_attention_mask() -> None:
+    """Padding marked by labels -100 alone: trimmed as with the mask (equal cuts), and exact."""
+    import heldout_lm as lm
+
+    data = lm.batches([64, 64, 40], N, seed=3)
+    runs = {}
+    for marked in ("labels", "attention_mask"):
+        net = lm.model()
+        expected = lm.plain_steps(net, data)
+        given = data if marked == "labels" else [dict(b, attention_mask=(b["labels"] != -100).long()) for b in data]
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        engine = Engine(net, opt, lambda m, b: lm.loss(m, b), global_batch_size=N,
+                        lengths=LengthConfig(split=True, seq_dim=1), config=EngineConfig(capacity=CAP))
+        with emulate_capacity(CAP):
+            results = [engine.step(b) for b in given]
+        assert [r.ooms for r in results] == [0, 0, 0]
+        _assert_same_params(net, expected)
+        runs[marked] = [(r.micro_batch_sizes, r.micro_batch_lengths) for r in results]
+    sizes, widths = runs["labels"][1]
+    assert sum(sizes) == N and widths[0] == 64 and min(widths) < 64  # trimmed to each group's longest label
+    assert runs["labels"] == runs["attention_mask"]
+
+
+def test_a_model_error_in_a_verification_keeps_its_type_and_names_the_length(heldout_plan) -> None:
+    """A batch longer than the position table: the verification search's IndexError, told where it ran."""
+    import heldout_lm as lm
+
+    net = lm.model()
+    engine = Engine(net, torch.optim.SGD(net.parameters(), lr=0.1), lm.loss, global_batch_size=N,
+                    start=heldout_plan, config=EngineConfig(capacity=CAP))
+    with emulate_capacity(CAP), pytest.raises(IndexError, match="index out of range") as info:
+        engine.step(lm.batch([80] + [5] * (N - 1)))
+    notes = "\n".join(info.value.__notes__)
+    assert re.search(r"in a finder trial at batch size \d+", notes), notes
+    assert "at sequence length 80 (the longest length that ran is 64)" in notes
+    assert "cut batches to the longest it takes" in notes
+
+
+def test_beyond_error_names_the_longest_length_that_ran_before_a_longer_one(heldout_plan) -> None:
+    import heldout_lm as lm
+
+    net = lm.model()
+    engine = Engine(net, torch.optim.SGD(net.parameters(), lr=0.1), lm.loss, global_batch_size=N,
+                    start=heldout_plan, lengths=LengthConfig(beyond="error"), config=EngineConfig(capacity=CAP))
+    with pytest.raises(UnverifiedLengthError) as info:
+        engine.step(lm.batch([80] + [5] * (N - 1)))
+    message = str(info.value)
+    # the safe fix first; a longer search only for a model that takes that length
+    assert "Cut batches to at most 64 tokens (the longest length that ran" in message
+    assert "if the model takes 80 tokens, find with lengths up to 80" in message
+    assert message.index("Cut batches") < message.index("find with lengths")

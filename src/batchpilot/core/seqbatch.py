@@ -3,7 +3,8 @@
 The padded length of a batch comes from, in order: a user's ``length_fn(batch)``, the size of
 a declared sequence dimension (``seq_dim``, on every per-sample tensor that has it), or the
 width of a Hugging Face ``attention_mask``. Trimming narrows every per-sample tensor whose
-size on ``seq_dim`` is the padded length, so labels of another shape pass through.
+size on ``seq_dim`` is the padded length, so labels of another shape pass through. A sample's
+real length comes from the ``attention_mask``, or from ``labels`` of -100 at the pads.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import torch
 from .._checks import check_int, positive_int
 from .batch import BatchLayout, BatchSplitter
 
-__all__ = ["LengthFn", "padded_length", "trim_batch", "sample_lengths", "gather_rows", "length_batch_fn"]
+__all__ = ["IGNORE_INDEX", "LengthFn", "padded_length", "trim_batch", "sample_lengths", "gather_rows", "length_batch_fn"]
 
 #: ``length_fn(batch) -> the batch's padded sequence length``
 LengthFn = Callable[[Any], int]
+
+#: the label of a padding token: ``cross_entropy``'s default ``ignore_index``, as Hugging Face pads labels
+IGNORE_INDEX = -100
 
 
 def _tensors_with_dim(split: BatchSplitter, seq_dim: int) -> list[torch.Tensor]:
@@ -91,25 +95,38 @@ def trim_batch(batch: Any, length: int, *, seq_dim: int = 1, width: int | None =
 
 
 def sample_lengths(batch: Any) -> list[int]:
-    """Each sample's real length: its ``attention_mask``'s ones, which must come first (right padding).
+    """Each sample's real length, from the ``attention_mask`` or, without one, from the ``labels``.
+
+    With a mask: its ones, which must come first (right padding). Without one: up to the last
+    label that is not :data:`IGNORE_INDEX` (-100, the padding convention of
+    ``cross_entropy(ignore_index=-100)`` and Hugging Face collators). What follows that label
+    changes no loss term only in a causal model (no token attends to a later one), which a padded
+    batch without a mask must be for its padding not to change the loss; prompt tokens masked
+    with -100 before the answer are kept.
 
     Raises:
-        ValueError: not a dict with a 2-D ``attention_mask``, or a left-padded / gapped mask
-            (trimming the right end would cut real tokens).
+        ValueError: not a dict with a 2-D ``attention_mask`` or 2-D ``labels``, or a left-padded /
+            gapped mask (trimming the right end would cut real tokens).
     """
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+    raw = batch if isinstance(batch, Mapping) else None
+    mask = raw.get("attention_mask") if raw is not None else None
+    labels = raw.get("labels") if raw is not None else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        m = mask.bool()
+        lengths = m.sum(dim=1)
+        expected = torch.arange(m.shape[1], device=m.device)[None, :] < lengths[:, None]
+        if not torch.equal(m, expected):  # one sync per step: the split is planned on the host
+            raise ValueError(
+                "length-aware splitting needs right-padded batches (each attention_mask row all ones, then all "
+                "zeros); pad on the right (tokenizer.padding_side = 'right'), or turn split off"
+            )
+    elif isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+        lengths = torch.where(labels != IGNORE_INDEX, positions[None, :], 0).amax(dim=1)
+    else:
         raise ValueError(
-            "length-aware splitting needs Hugging Face style dict batches with a (batch, length) attention_mask "
-            "(and labels with -100 at the pads); turn split off for other batches"
-        )
-    m = mask.bool()
-    lengths = m.sum(dim=1)
-    expected = torch.arange(m.shape[1], device=m.device)[None, :] < lengths[:, None]
-    if not torch.equal(m, expected):  # one sync per step: the split is planned on the host
-        raise ValueError(
-            "length-aware splitting needs right-padded batches (each attention_mask row all ones, then all "
-            "zeros); pad on the right (tokenizer.padding_side = 'right'), or turn split off"
+            "length-aware splitting needs dict batches with a (batch, length) attention_mask, or (batch, length) "
+            f"labels with {IGNORE_INDEX} at the pads (Hugging Face style); turn split off for other batches"
         )
     return [max(1, int(v)) for v in lengths.tolist()]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import nn
 
-from .._checks import check_int, positive_int
+from .._checks import add_note, check_int, positive_int
 from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import pin_malloc_threshold
@@ -759,7 +759,11 @@ class _TrialRunner:
         if self.lockstep is not None:
             self.lockstep.begin()
         # the restore runs after the OOM's traceback is gone, before memory is released
-        outcome = attempt(run, device=self.device, on_oom=put_back)
+        try:
+            outcome = attempt(run, device=self.device, on_oom=put_back)
+        except Exception as exc:  # not an OOM: the step's own error, its type kept (the search restores)
+            add_note(exc, f"batchpilot: raised by the step in a finder trial at batch size {batch_size}")
+            raise
         if not outcome.oom:
             put_back(oom=False)
         end = None if base is None else int(self.gauge.current())

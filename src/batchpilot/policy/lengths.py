@@ -42,11 +42,14 @@ class UnverifiedLengthError(ValueError):
 
     def __init__(self, length: int, verified: int) -> None:
         self.length, self.verified = length, verified
+        # the longest length that ran first: a model may not take longer sequences at all (a
+        # position table), and a search at a length it cannot take fails
         super().__init__(
             f"sequence length {length} is beyond the longest verified length {verified}: the memory model "
-            f"is not trusted there until a real trial at {length} has run; find with lengths up to {length} "
-            f"(find_batch_size_for(..., lengths=(..., {length}))), or let the engine verify it "
-            "(LengthConfig(beyond='verify'))"
+            f"is not trusted there until a real trial at {length} has run. Cut batches to at most {verified} "
+            f"tokens (the longest length that ran; e.g. the tokenizer's max_length={verified}); or, if the model "
+            f"takes {length} tokens, find with lengths up to {length} (find_batch_size_for(..., lengths=(..., "
+            f"{length}))) or let the engine verify it (LengthConfig(beyond='verify'))"
         )
 
 

@@ -17,6 +17,7 @@ micro-batches halve their largest until all have as many.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from .._checks import check_int
+from .._checks import add_note, check_int
 from ..core.batch import BatchSplitter, to_device
 from ..core.seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
-from ..find.lengths import LengthPlan
+from ..find.lengths import LengthPlan, length_note
 from ..memory.units import format_bytes
 from ..policy.lengths import LengthBudget, UnverifiedLengthError, fit_lengths, split_into
+from ..policy.search import BatchSizeError
 
 __all__ = ["LengthConfig", "LengthSizer", "make_sizer"]
 
@@ -48,12 +50,16 @@ class LengthConfig:
     """How the engine reads and uses each batch's sequence length.
 
     Attributes:
-        seq_dim: the dimension of the batch's tensors that holds the tokens; ``None``: the width
-            of a dict batch's ``attention_mask`` (trimming then uses dim 1).
+        seq_dim: the dimension of the batch's tensors that holds the tokens; ``None``: the
+            ``start`` plan's (the dim its example was trimmed on), else the width of a dict
+            batch's ``attention_mask`` (trimming then uses dim 1).
         length_fn: ``length_fn(batch) -> padded length``, instead of reading a dimension.
         split: length-aware splitting (Hugging Face dict batches, right-padded): sort the
             samples by real length, cut micro-batches that each fit at their own longest sample,
-            trim each to it. With a ``(sum, count)`` loss the update is the full batch's.
+            trim each to it. A sample's real length comes from its ``attention_mask``, or without
+            one from its ``labels`` (up to the last that is not -100: exact for a causal LM, see
+            :func:`~batchpilot.core.seqbatch.sample_lengths`). With a ``(sum, count)`` loss the
+            update is the full batch's.
         beyond: a batch longer than the longest verified length: ``"verify"`` runs a real search
             at its length on its samples first (state put back), ``"error"`` raises
             :class:`~batchpilot.policy.lengths.UnverifiedLengthError`.
@@ -99,11 +105,16 @@ def make_sizer(engine: EngineLike, lengths: LengthConfig | bool | None, plan: An
     if lengths is None or lengths is False:
         if not isinstance(plan, LengthPlan):
             return None
-        lengths = LengthConfig(seq_dim=plan.seq_dim if plan.seq_dim != 1 else None)
+        lengths = LengthConfig()
     elif lengths is True:
         lengths = LengthConfig()
     elif not isinstance(lengths, LengthConfig):
         raise ValueError(f"lengths must be a LengthConfig, True or None, got {type(lengths).__name__}")
+    if isinstance(plan, LengthPlan) and plan.seq_dim is not None and lengths.seq_dim is None \
+            and lengths.length_fn is None:
+        # the plan's batches were trimmed on this dim: the engine's are read on it too (a batch
+        # without an attention_mask has no other length to read)
+        lengths = dataclasses.replace(lengths, seq_dim=plan.seq_dim)
     if engine.fixed:
         raise ValueError('lengths= sizes the micro-batch by the length: it needs micro_batch_size="auto"')
     if engine._start is not None and engine.plan is None:
@@ -231,13 +242,18 @@ class LengthSizer:
         self._retry = False
         e.micro_batch_reason = f"sized for length {L}: the memory model allows {allowed} samples"
 
-    def _search_lines(self, split: BatchSplitter, L: int) -> None:
+    def _search_lines(self, split: BatchSplitter, L: int, ran: list[int]) -> None:
         """A real search on ``split`` (padded to ``L``): its line joins the model's, its answer ``_found[L]``.
 
         With several ranks every rank searches (the answers are agreed), and the line and answer
         kept are those of the rank whose batch is ``L`` long; :meth:`_exchange` delivers them.
+        An error keeps its type and gains a note naming ``L`` and the longest of ``ran``.
         """
-        plan = self.engine._search(split, accumulating=True, timed_steps=0)
+        try:
+            plan = self.engine._search(split, accumulating=True, timed_steps=0)
+        except Exception as exc:
+            add_note(exc, length_note(L, ran, own=not isinstance(exc, BatchSizeError)))
+            raise
         if self.engine.plan is None:
             self.engine.plan = plan
         if self._owner:
@@ -263,11 +279,11 @@ class LengthSizer:
         if len(fit_at) < 2:
             raise ValueError(f"the first batch is {L} token long: too short to fit a memory model over lengths; "
                              "pass start=find_batch_size_for(..., lengths=(...))")
-        for length in fit_at:
+        for i, length in enumerate(fit_at):
             # a rank whose batch is shorter than the length searches at its own (only the owner's line is kept)
             sub = split if length >= self.width else BatchSplitter(
                 trim_batch(split, length, seq_dim=self.config.trim_dim, width=self.width, copy=True), e.layout)
-            self._search_lines(sub, length)
+            self._search_lines(sub, length, fit_at[:i])
         self._exchange()
         verified = {length: self._found[length][0] for length in fit_at}
         if len(self.lines) < 2:
@@ -284,7 +300,7 @@ class LengthSizer:
         assert self.budget is not None
         logger.info("length %d is beyond the verified %d: verifying it by a real search on this batch",
                     L, self.budget.verified_max)
-        self._search_lines(split, L)
+        self._search_lines(split, L, sorted(self.budget.verified))
         self._exchange()
         self.verifications += 1
         limit = self.budget.limit_bytes

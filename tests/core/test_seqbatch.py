@@ -1,0 +1,44 @@
+"""Each sample's real length (batchpilot.core.seqbatch.sample_lengths): from the mask, or from labels -100."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpilot.core.seqbatch import IGNORE_INDEX, sample_lengths
+
+
+def _ids(width: int, n: int = 3) -> torch.Tensor:
+    return torch.arange(1, n * width + 1).reshape(n, width)
+
+
+def test_labels_without_a_mask_give_each_sample_up_to_its_last_label() -> None:
+    ids = _ids(6)
+    labels = ids.clone()
+    labels[0, 4:] = IGNORE_INDEX  # 4 real tokens, then padding
+    labels[2, :] = IGNORE_INDEX  # all padding: one token, which adds nothing to the loss
+    assert sample_lengths({"input_ids": ids, "labels": labels}) == [4, 6, 1]
+
+
+def test_a_prompt_masked_with_minus_100_before_the_answer_is_kept() -> None:
+    ids = _ids(8, n=2)
+    labels = ids.clone()
+    labels[:, :3] = IGNORE_INDEX  # the prompt: no loss, but the answer attends to it
+    labels[0, 6:] = IGNORE_INDEX
+    assert sample_lengths({"input_ids": ids, "labels": labels}) == [6, 8]
+
+
+def test_the_attention_mask_wins_over_the_labels() -> None:
+    ids = _ids(5, n=2)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    labels = ids.masked_fill(torch.tensor([[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]).bool(), IGNORE_INDEX)
+    assert sample_lengths({"input_ids": ids, "attention_mask": mask, "labels": labels}) == [3, 5]
+
+
+@pytest.mark.parametrize("batch", [
+    {"input_ids": _ids(4), "labels": torch.tensor([0, 1, 2])},  # one label per sample: no tokens to read
+    (_ids(4), _ids(4)),
+])
+def test_a_batch_with_neither_is_refused_naming_both(batch) -> None:
+    with pytest.raises(ValueError, match="attention_mask, or \\(batch, length\\) labels with -100 at the pads"):
+        sample_lengths(batch)
