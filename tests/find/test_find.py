@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -189,18 +190,51 @@ def test_non_oom_errors_propagate_untouched_and_state_is_restored():
     assert_same_state(before, state_of(model, opt))
 
 
-def test_a_non_oom_error_keeps_its_type_and_gains_a_note_naming_the_trials_batch_size():
+def test_an_error_of_the_users_step_keeps_its_type_and_gains_a_note_naming_the_batch_size():
+    model, opt, batch = setup("mlp")
     calls = []
 
     def step(b: int) -> None:
         calls.append(b)
-        if b > 1:
-            raise KeyError("the user's own bug")
+        x, y = make_batch_fn(batch)(b)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if b > 2:
+            raise ValueError("the user's own check")
 
-    with pytest.raises(KeyError) as info:
-        find_batch_size(step, device="cpu", capacity=CAPACITY)
-    assert calls[-1] > 1
-    assert info.value.__notes__ == [f"batchpilot: raised by the step in a finder trial at batch size {calls[-1]}"]
+    with pytest.raises(ValueError, match="the user's own check") as info:
+        find_batch_size(step, device="cpu", capacity=CAPACITY, restore=(model, opt))
+    assert info.value.__notes__ == [f"batchpilot: raised by the step during a trial at batch size {calls[-1]}"]
+    assert calls[-1] > 2
+
+
+def test_an_index_error_from_the_model_in_a_trial_names_the_batch_size_also_through_the_engine():
+    from batchpilot.train.engine import Engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Flatten(), nn.Linear(8 * 4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.full((4, 4), 20)  # a token past the table: the model's own IndexError
+    batch = (ids, torch.zeros(4, dtype=torch.long))
+    with pytest.raises(IndexError) as info:
+        find_batch_size_for(model, batch, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
+    (note,) = info.value.__notes__
+    assert re.fullmatch(r"batchpilot: raised by the step during a trial at batch size \d+", note)
+    engine = Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=4)
+    with pytest.raises(IndexError) as info:
+        engine.step(batch)  # the engine's first step asks the finder for its micro-batch
+    (note,) = info.value.__notes__
+    assert re.fullmatch(r"batchpilot: raised by the step during a trial at batch size \d+", note)
+
+
+def test_nested_trials_leave_one_note_with_both_figures():
+    from batchpilot.find.notes import note_trial_error
+
+    exc = IndexError("index out of range in self")
+    note_trial_error(exc, batch_size=64)
+    note_trial_error(exc, batch_size=128, length=300)  # an outer search: the inner batch size stands
+    assert exc.__notes__ == ["batchpilot: raised by the step during a trial at batch size 64, sequence length 300"]
+    note_trial_error(exc)
+    assert len(exc.__notes__) == 1
 
 
 # ---------------------------------------------------------------------------

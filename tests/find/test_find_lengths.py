@@ -72,7 +72,7 @@ def test_a_model_error_at_a_length_keeps_its_type_and_names_the_batch_size_and_l
         find_batch_size_for(net, lm.batch([64, 20], seed=1), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
                             loss_fn=lm.loss, capacity=CAP, lengths=(16, 64), seq_dim=1)
     first, second = info.value.__notes__
-    assert re.fullmatch(r"batchpilot: raised by the step in a finder trial at batch size \d+", first), first
+    assert re.fullmatch(r"batchpilot: raised by the step during a trial at batch size \d+", first), first
     # the longest is searched first: nothing ran, so no length is recommended that the model cannot take
     assert second.startswith("batchpilot: in the search at sequence length 64 (no length ran before it); if the "
                              "model takes no sequences of 64 tokens"), second

@@ -100,7 +100,7 @@ def main(out: Path) -> None:
 
     for name, cls in (("auto", Plain), ("resilient", Resilient)):
         module = cls()
-        callback = BatchSizeCallback(global_batch_size=GLOBAL, capacity=CAPACITIES[rank])
+        callback = BatchSizeCallback(global_batch_size=GLOBAL, capacity=CAPACITIES[rank], lr_rule="auto")
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=MAX_STEPS,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -21,6 +21,7 @@ import lightning_job as job  # noqa: E402  (tests/helpers)
 from dist_launch import torchrun  # noqa: E402
 
 from batchpilot.integrations.lightning import BatchSizeCallback, ResilientModule  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 from batchpilot.train.batching import scale_lr  # noqa: E402
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -157,7 +158,7 @@ class Pooled(L.LightningModule):
 
 def test_a_datamodule_batch_size_and_dict_batches_without_a_global_batch():
     data, module = PaddedData(), Pooled()
-    cb = BatchSizeCallback(capacity="96KiB", max_batch_size=64)
+    cb = BatchSizeCallback(capacity="96KiB", max_batch_size=64, lr_rule="auto")
     t = trainer(callbacks=[cb], accumulate_grad_batches=2, max_steps=2)
     t.fit(module, datamodule=data)
     s = cb.setup
@@ -170,6 +171,38 @@ def test_a_datamodule_batch_size_and_dict_batches_without_a_global_batch():
     assert s.lr_base_size == 8 and s.lr_rule == "linear"
     assert s.lr_factor == pytest.approx(s.global_batch_size / 8)
     assert t.lr_scheduler_configs[0].scheduler.base_lrs == pytest.approx([0.1 * s.lr_factor])
+
+
+class AdamPooled(Pooled):
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-3)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)}
+
+
+def test_the_callback_with_its_defaults_changes_only_the_batch_size_like_lightnings_finder():
+    # in place of Lightning's BatchSizeFinder, which leaves the optimizer alone: Adam keeps its lr
+    data, module = PaddedData(), AdamPooled()
+    cb = BatchSizeCallback()
+    with emulate_capacity("96KiB", track=(module,)):
+        t = trainer(callbacks=[cb], max_steps=1)
+        t.fit(module, datamodule=data)
+    s = cb.setup
+    assert s.micro_batch_size == s.found_batch_size > 4 == s.lr_base_size  # the batch size did change
+    assert data.batch_size == s.micro_batch_size and t.accumulate_grad_batches == 1
+    assert s.lr_rule == "none" and s.lr_factor == 1.0 and s.learning_rates == (1e-3,)
+    assert t.optimizers[0].param_groups[0]["lr"] == 1e-3
+    assert t.lr_scheduler_configs[0].scheduler.base_lrs == [1e-3]
+    assert "lr" not in s.describe()
+    # LR scaling is one argument away: sqrt for Adam from the configured 4
+    data, module = PaddedData(), AdamPooled()
+    cb = BatchSizeCallback(lr_rule="auto")
+    with emulate_capacity("96KiB", track=(module,)):
+        t = trainer(callbacks=[cb], max_steps=1)
+        t.fit(module, datamodule=data)
+    s = cb.setup
+    assert s.lr_rule == "sqrt" and s.lr_factor == pytest.approx((s.global_batch_size / 4) ** 0.5) != 1.0
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * s.lr_factor)
+    assert t.lr_scheduler_configs[0].scheduler.base_lrs == pytest.approx([1e-3 * s.lr_factor])
 
 
 def test_lr_rule_none_and_a_fixed_micro_batch_leave_the_learning_rate_alone():

@@ -222,6 +222,69 @@ def test_configure_batch_size_without_a_global_batch_keeps_the_accumulation(tmp_
     assert a.learning_rate == 1e-3 and setup.lr_factor == 1.0
 
 
+def _fits(b: int, capacity: int, a: TrainingArguments) -> bool:
+    """Two real training steps at batch ``b`` of the Trainer's optimizer under an emulated ``capacity``."""
+    model = gpt2()
+    opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(a, model)
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    data = Tokens(ragged=True)
+    batch = pad([data[i % len(data)] for i in range(b)])
+    try:
+        with emulate_capacity(capacity, track=(model,)):
+            for _ in range(2):
+                hf_loss(model, batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    except torch.OutOfMemoryError:
+        return False
+    return True
+
+
+class Recording(ResilientTrainer):
+    """Records the micro-batch and the OOMs of every training step."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.runs.append((self.batchpilot_last_step.micro_batch_size, self.batchpilot_last_step.ooms))
+        return loss
+
+
+def test_configure_batch_size_then_resilient_trainer_runs_the_micro_batch_the_finder_found(tmp_path):
+    # the README's pairing. The plain Trainer needs a divisor of the per-rank batch (63 where 32 fit:
+    # 21), but ResilientTrainer's engine cuts a smaller last micro-batch, so it starts at the answer
+    capacity = 6 * 2**20
+    a = args(tmp_path)
+    # the largest micro-batch in the memory the finder may use (target 0.8), by direct bisection
+    lo, hi = 1, 128
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _fits(mid, int(0.8 * capacity), a) else (lo, mid - 1)
+    largest = lo
+    assert 16 < largest < 60  # the global batches below need more than one micro-batch
+    ran = {}
+    for global_ in (62, 63, 64, 65):  # 63 ± 1, and 65, where balanced micro-batches need 3
+        a = args(tmp_path / str(global_), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                 max_steps=2)
+        model = gpt2()
+        setup = configure_batch_size(a, model, Tokens(ragged=True), data_collator=pad, global_batch_size=global_,
+                                     capacity=capacity)
+        assert a.batchpilot_setup is setup and setup.found_batch_size <= largest
+        with emulate_capacity(capacity, track=(model,)):
+            t = Recording(model=model, args=a, train_dataset=Tokens(ragged=True), data_collator=pad)
+            t.runs = []
+            t.train()
+        assert t.state.global_step == 2 and t.batchpilot_engine.global_batch_size == global_
+        assert [ooms for _, ooms in t.runs] == [0, 0]
+        micro = {m for m, _ in t.runs}
+        assert len(micro) == 1
+        ran[global_] = micro.pop()
+        # the fewest micro-batches the memory allows
+        assert t.batchpilot_last_step.accum_steps == -(-global_ // largest), (global_, ran, largest)
+    for global_ in (62, 63, 64):
+        assert ran[global_] >= 0.9 * largest, (ran, largest)
+    assert max(ran[g] for g in (62, 63, 64)) - min(ran[g] for g in (62, 63, 64)) <= 1, ran
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"fp16": True}, "fp16=True"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size=True"),

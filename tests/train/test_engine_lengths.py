@@ -361,7 +361,7 @@ def test_a_model_error_in_a_verification_keeps_its_type_and_names_the_length(hel
     with emulate_capacity(CAP), pytest.raises(IndexError, match="index out of range") as info:
         engine.step(lm.batch([80] + [5] * (N - 1)))
     notes = "\n".join(info.value.__notes__)
-    assert re.search(r"in a finder trial at batch size \d+", notes), notes
+    assert re.search(r"during a trial at batch size \d+", notes), notes
     assert "at sequence length 80 (the longest length that ran is 64)" in notes
     assert "cut batches to the longest it takes" in notes
 

@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import nn
 
-from .._checks import add_note, check_int, positive_int
+from .._checks import check_int, positive_int
 from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import pin_malloc_threshold
-from ..memory.oom import attempt, free_memory
+from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import emulate_capacity, get_probe, track_peak
 from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, parse_bytes, resolve_device
@@ -52,6 +52,7 @@ from ..policy.speed import (
     SPEED_TOLERANCE, check_objective, check_speed_tolerance, choose_fastest, fit_time, search_throughput, timed_fits,
 )
 from .result import BatchPlan, MemoryFit
+from .notes import note_trial_error
 from .snapshot import StateSnapshot
 from .timing import outside_trackers, step_clock, timed
 
@@ -375,11 +376,21 @@ def warm_up(step: Callable[[int], Any], batch_size: int, *, device: torch.device
     which is left for the trials to find. Other errors propagate. Returns the graphs compiled.
     """
     counter = CompileCounter()
-    outcome = attempt(step, batch_size, device=device, on_oom=after)
+    outcome = attempt(_user_step, step, batch_size, device=device, on_oom=after)
     if not outcome.oom:
         after()
     logger.info("warm-up at batch %d: %d graph(s) compiled", batch_size, counter.count)
     return counter.count
+
+
+def _user_step(step: Callable[[int], Any], batch_size: int) -> None:
+    """``step(batch_size)``; an error other than an OOM leaves with its type and a note naming the batch size."""
+    try:
+        step(batch_size)
+    except Exception as exc:
+        if not is_oom(exc):  # an OOM is the trial's answer, caught by attempt()
+            note_trial_error(exc, batch_size=batch_size)
+        raise
 
 
 class _ProgramChanged(Exception):
@@ -711,7 +722,7 @@ class _TrialRunner:
         read = step_clock(self.device)
 
         def one_step() -> None:
-            self.step(batch_size)
+            _user_step(self.step, batch_size)
 
         record = self._model and len(self._timelines) < 2 and batch_size not in self._timelines
 
@@ -759,11 +770,8 @@ class _TrialRunner:
         if self.lockstep is not None:
             self.lockstep.begin()
         # the restore runs after the OOM's traceback is gone, before memory is released
-        try:
-            outcome = attempt(run, device=self.device, on_oom=put_back)
-        except Exception as exc:  # not an OOM: the step's own error, its type kept (the search restores)
-            add_note(exc, f"batchpilot: raised by the step in a finder trial at batch size {batch_size}")
-            raise
+        # not an OOM: the step's own error leaves with its type and _user_step's note (the search restores)
+        outcome = attempt(run, device=self.device, on_oom=put_back)
         if not outcome.oom:
             put_back(oom=False)
         end = None if base is None else int(self.gauge.current())
@@ -822,7 +830,7 @@ class _TrialRunner:
         times: list[float] = []
 
         def one_step() -> None:
-            self.step(batch_size)
+            _user_step(self.step, batch_size)
 
         def run() -> None:
             with outside_trackers() if tracked else contextlib.nullcontext(True) as clear:

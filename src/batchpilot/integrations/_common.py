@@ -199,9 +199,11 @@ def choose_batches(found: int, *, world_size: int, global_batch_size: int | None
             below = global_batch_size // step * step
             near = " or ".join(str(g) for g in (below, below + step) if g > 0)
             logger.warning(
-                "micro-batches of %d fit, but global_batch_size=%d splits into micro-batches of %d at most; "
-                "a global batch of %s would use the memory fully", found, global_batch_size,
-                cfg.micro_batch_size, near,
+                "micro-batches of %d fit, but global_batch_size=%d splits into equal micro-batches of %d at most; "
+                "a global batch of %s would use the memory fully (batchpilot's engine, in ResilientTrainer or "
+                "ResilientModule, cuts unequal micro-batches: %d per step instead of %d)", found,
+                global_batch_size, cfg.micro_batch_size, near,
+                math.ceil(cfg.micro_batch_size * cfg.accum_steps / found), cfg.accum_steps,
             )
         return cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps, cfg.micro_batch_size
     per_rank = BatchConfig(global_batch_size=global_batch_size, world_size=world_size).micro_batch_size

@@ -3,8 +3,8 @@
 - :class:`BatchSizeCallback` runs batchpilot's finder on each rank at ``on_fit_start``, agrees on
   the smallest answer, sets the dataloader's batch size the way Lightning's ``BatchSizeFinder``
   does (the ``batch_size`` attribute of the module, its ``hparams`` or the datamodule; dataloaders
-  reloaded), sets ``accumulate_grad_batches`` to hold a global batch, and rescales the learning
-  rate by rule when the global batch is not the one it was tuned for.
+  reloaded) and sets ``accumulate_grad_batches`` to hold a global batch; like ``BatchSizeFinder``
+  it leaves the learning rate alone unless ``lr_rule`` asks for a rescaling.
 - :class:`ResilientModule` is a ``LightningModule`` mixin whose training step is
   :meth:`batchpilot.Engine.step` under manual optimization: an OOM drops the partial gradients,
   shrinks the micro-batch and retries the same batch, so no step is lost.
@@ -54,9 +54,11 @@ class BatchSizeCallback(Callback):
     so every rank trains the same batch. The answer is applied like Lightning's ``BatchSizeFinder``
     does: the ``batch_arg_name`` attribute is set on the module, its ``hparams`` or the datamodule,
     and the dataloaders are reloaded. With ``global_batch_size`` the callback also sets
-    ``trainer.accumulate_grad_batches`` so that ``global = micro × world × accum``; the learning
-    rate of every optimizer (and its scheduler's base) is rescaled by ``lr_rule`` when the global
-    batch differs from ``lr_base_size``. :attr:`setup` reports what was chosen.
+    ``trainer.accumulate_grad_batches`` so that ``global = micro × world × accum``. With its
+    defaults it changes only the batch size, as ``BatchSizeFinder`` does; with ``lr_rule="auto"``
+    (or ``"linear"``, ``"sqrt"``) the learning rate of every optimizer (and its scheduler's base) is
+    rescaled when the global batch differs from ``lr_base_size``. :attr:`setup` reports what was
+    chosen.
 
     With a :class:`ResilientModule` the dataloader gives each rank its whole share of the global
     batch and the engine accumulates micro-batches of the size found (``accumulate_grad_batches``
@@ -68,7 +70,8 @@ class BatchSizeCallback(Callback):
         micro_batch_size: skip the search and use this per-device batch.
         lr_base_size: the global batch the learning rate was tuned for; default the module's batch
             size × world size × ``accumulate_grad_batches`` as configured before fit.
-        lr_rule: ``"auto"``, ``"linear"``, ``"sqrt"`` or ``"none"`` (no rescaling).
+        lr_rule: ``"none"`` (default: the learning rate is left as configured), or ``"auto"`` (sqrt
+            for Adam-like optimizers, linear otherwise), ``"linear"``, ``"sqrt"``.
         batch_arg_name: the attribute that holds the dataloader's batch size.
         target, capacity, strategy, max_batch_size, steps_per_trial, find_options: the finder's
             options (see :class:`batchpilot.integrations.SizingOptions`).
@@ -89,7 +92,7 @@ class BatchSizeCallback(Callback):
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         lr_base_size: int | None = None,
-        lr_rule: str = "auto",
+        lr_rule: str = "none",  # Lightning's BatchSizeFinder changes only the batch size
         batch_arg_name: str = "batch_size",
         target: float = 0.8,
         capacity: int | str | None = None,

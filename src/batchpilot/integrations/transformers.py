@@ -84,7 +84,10 @@ def configure_batch_size(
     ``global / world`` that fits, and ``gradient_accumulation_steps`` makes up the rest; without it
     the per-device batch is the largest that fits and the accumulation is kept. When the global
     batch (``per_device × world × accumulation``) is not ``lr_base_size``, ``args.learning_rate``
-    is rescaled by ``lr_rule``. ``args`` is changed in place.
+    is rescaled by ``lr_rule``. ``args`` is changed in place, and the setup is also left on
+    ``args.batchpilot_setup``: a :class:`ResilientTrainer` built on these ``args`` starts its
+    micro-batches at the finder's answer rather than at the divisor a plain ``Trainer`` needs
+    (its engine cuts a smaller last micro-batch, so it need not divide the batch).
 
     Args:
         args: the ``TrainingArguments`` to fill in.
@@ -157,6 +160,9 @@ def configure_batch_size(
         lr_factor=factor, learning_rates=(lr,), plan=plan,
     )
     logger.info("batchpilot: %s", setup.describe())
+    # for ResilientTrainerMixin: the plain Trainer's fields above cannot say "micro-batches of 33
+    # for a batch of 65", which the engine runs (33 + 32), so the found size travels with args
+    args.batchpilot_setup = setup
     return setup
 
 
@@ -191,7 +197,10 @@ class ResilientTrainerMixin:
     per-device batch in one piece (``per_device_train_batch_size × gradient_accumulation_steps``
     samples, accumulation 1, on a copy of ``args``), and ``training_step`` runs it through
     :class:`batchpilot.Engine`, starting at micro-batches of the ``per_device_train_batch_size``
-    given: an OOM drops the partial gradients, shrinks the micro-batch and reruns the same batch.
+    given, or of the finder's answer when :func:`configure_batch_size` sized these ``args`` (its
+    ``args.batchpilot_setup``, used while ``per_device_train_batch_size × gradient_accumulation_steps``
+    is still the per-rank batch it chose): an OOM drops the partial gradients, shrinks the
+    micro-batch and reruns the same batch.
     The loss of each micro-batch is the Trainer's own ``compute_loss`` (with ``num_items_in_batch``
     over the whole batch), so the gradients equal those of the run without the OOM. The Trainer's
     loop clips, steps the optimizer and the LR scheduler and counts ``global_step`` as usual.
@@ -221,7 +230,7 @@ class ResilientTrainerMixin:
                 raise ValueError(f"{who} cannot run with {flag}=True: {fix}")
         if "lomo" in str(targs.optim).lower():
             raise ValueError(f"{who} cannot run LOMO optimizers: they step inside the backward")
-        self._batchpilot_micro = targs.per_device_train_batch_size
+        self._batchpilot_micro = _first_micro_batch(targs)
         # One optimizer step's batch in one piece, on a copy: the caller's arguments are untouched.
         # After the Trainer's own set-up, so that any Trainer subclass's signature is kept.
         merged = copy.copy(targs)
@@ -348,6 +357,24 @@ class ResilientTrainer(ResilientTrainerMixin, Trainer):
 
 def _forward(model: nn.Module, batch: Any) -> Any:
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
+def _first_micro_batch(args: TrainingArguments) -> int:
+    """The engine's first micro-batch: the finder's answer from :func:`configure_batch_size`, else the arguments'.
+
+    ``configure_batch_size`` writes the largest *divisor* of the per-rank batch that fits, which a
+    plain Trainer's equal micro-batches need; the engine cuts a smaller last one, so it starts at
+    what fits (on a per-rank batch of 65 where 32 fit: 3 micro-batches, not 5 of 13). Arguments
+    changed since (another per-rank batch or world size) are the caller's choice and win.
+    """
+    per_device = args.per_device_train_batch_size
+    setup = getattr(args, "batchpilot_setup", None)
+    if not isinstance(setup, BatchSetup) or setup.found_batch_size is None:
+        return per_device
+    if (per_device, setup.per_rank_batch_size, setup.world_size) != (
+            setup.micro_batch_size, per_device * args.gradient_accumulation_steps, args.world_size):
+        return per_device
+    return max(per_device, min(setup.found_batch_size, setup.per_rank_batch_size))
 
 
 def _check_args(args: TrainingArguments, who: str) -> None:

@@ -1162,8 +1162,11 @@ class Engine:
         policy = self.policy
         if self.lengths is not None:
             self.lengths.on_oom(self._capacity())
-        # after the OOM the gradients are dropped: what is in use now is what the retry starts with
-        new = policy.on_oom(self._max_fitting(measured, self._probe.current()))
+        # Halve (to an efficient size), without asking the memory model: its figures (peaks of
+        # earlier steps, what the failed attempt left in use, a host's free memory) differ from run
+        # to run, and near its boundary they flipped the same OOM between 32 -> 31 and 32 -> 16.
+        # The model still grows the micro-batch back after clean steps, and shrinks on pressure.
+        new = policy.on_oom()
         if new is None:
             capacity = self._capacity()
             raise BatchDoesNotFitError(
