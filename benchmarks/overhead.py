@@ -8,7 +8,9 @@ accumulation count, on CPU:
 
 * ``hand``: the loop one writes by hand: slice, forward, ``loss * (n_i / N)``, backward,
   ``optimizer.step()``, ``zero_grad(set_to_none=True)``, one ``.item()`` for the log.
-* ``engine``: ``Engine(micro_batch_size=m).step(batch)`` and ``.loss``.
+* ``engine``: ``Engine(micro_batch_size=m).step(batch)`` and ``.loss``, with the defaults.
+* ``noise``: the same with ``noise=True`` (the gradient noise scale, ``first`` mode), what
+  measuring it costs beside the defaults.
 * ``auto``: ``Engine(micro_batch_size="auto", start=m)``: the same micro-batch with the OOM
   retry armed (RNG / BatchNorm snapshot, the ``attempt`` wrapper, the policy update).
 
@@ -35,7 +37,11 @@ from batchpilot.train.engine import Engine
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {"build": lambda: MLP(in_features=256, width=1024, depth=2), "global": 256, "micro": 64},
     "cnn": {"build": lambda: SmallCNN(widths=(16, 32, 64), batch_norm=True), "global": 64, "micro": 16},
+    # parameter-heavy: 9.5M parameters, a cheap step per parameter (where a gradient norm shows)
+    "wide": {"build": lambda: MLP(in_features=512, width=2048, depth=3), "global": 64, "micro": 16},
 }
+#: the engine variants beside ``hand``, and the keywords each adds to Engine(...)
+VARIANTS: dict[str, dict[str, Any]] = {"engine": {}, "noise": {"noise": True}, "auto": {}}
 
 
 def hand_step_fn(model: nn.Module, opt: torch.optim.Optimizer, micro: int) -> Callable[[Any], float]:
@@ -65,18 +71,16 @@ def run(name: str, rounds: int, warmup: int) -> dict[str, Any]:
     spec = WORKLOADS[name]
     n, micro = spec["global"], spec["micro"]
     variants: dict[str, Callable[[Any], float]] = {}
-    for label in ("hand", "engine", "auto"):
+    for label in ("hand", *VARIANTS):
         torch.manual_seed(0)
         model = spec["build"]()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if label == "hand":
             variants[label] = hand_step_fn(model, opt, micro)
-        elif label == "engine":
-            variants[label] = engine_step_fn(Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=n,
-                                                    micro_batch_size=micro))
-        else:
-            variants[label] = engine_step_fn(Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=n,
-                                                    start=micro))
+            continue
+        size = {"start": micro} if label == "auto" else {"micro_batch_size": micro}
+        variants[label] = engine_step_fn(Engine(model, opt, nn.CrossEntropyLoss(), global_batch_size=n,
+                                                **size, **VARIANTS[label]))
     g = torch.Generator().manual_seed(1)
     batch = example_batch(spec["build"](), n, generator=g)
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -92,23 +96,21 @@ def run(name: str, rounds: int, warmup: int) -> dict[str, Any]:
     def paired(label: str) -> float:
         return statistics.median(a / b for a, b in zip(times[label], times["hand"]))
 
-    return {
-        "workload": name, "global": n, "micro": micro, "accum": -(-n // micro), "rounds": rounds,
-        "hand_ms": 1e3 * med["hand"], "engine_ms": 1e3 * med["engine"], "auto_ms": 1e3 * med["auto"],
-        "engine_ratio": paired("engine"), "auto_ratio": paired("auto"),
-    }
+    row: dict[str, Any] = {"workload": name, "global": n, "micro": micro, "accum": -(-n // micro), "rounds": rounds,
+                           "hand_ms": 1e3 * med["hand"]}
+    for label in VARIANTS:
+        row[f"{label}_ms"], row[f"{label}_ratio"] = 1e3 * med[label], paired(label)
+    return row
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| workload | global = micro x accum | hand ms | engine ms | ratio | auto ms | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| workload | global = micro x accum | hand ms | " + " | ".join(f"{v} ms | ratio" for v in VARIANTS) + " |",
+        "|---|---|---:|" + "---:|---:|" * len(VARIANTS),
     ]
     for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['global']} = {r['micro']} x {r['accum']} | {r['hand_ms']:.2f} | "
-            f"{r['engine_ms']:.2f} | {r['engine_ratio']:.3f} | {r['auto_ms']:.2f} | {r['auto_ratio']:.3f} |"
-        )
+        cells = " | ".join(f"{r[f'{v}_ms']:.2f} | {r[f'{v}_ratio']:.3f}" for v in VARIANTS)
+        lines.append(f"| {r['workload']} | {r['global']} = {r['micro']} x {r['accum']} | {r['hand_ms']:.2f} | {cells} |")
     return "\n".join(lines)
 
 
