@@ -396,6 +396,18 @@ def test_peers_container_says_why_it_cannot_run(tmp_path):
     assert json.loads(out.read_text())["skipped"] == CGROUP_REASON
 
 
+def test_overhead_benchmark_times_the_defaults_beside_noise_on(tmp_path):
+    """A smoke run: every variant of the side-by-side table, timed on the CPU clock."""
+    out = tmp_path / "overhead.json"
+    proc = run_script("overhead.py", "--workloads", "mlp", "--rounds", "2", "--warmup", "1", "--clock", "cpu",
+                      "--json", str(out), timeout=300)
+    assert proc.stdout.splitlines()[0].startswith("| workload | global = micro x accum | hand ms | engine ms | ratio | "
+                                                  "noise ms | ratio | auto ms | ratio |")
+    doc = json.loads(out.read_text())
+    assert doc["clock"] == "cpu" and [r["workload"] for r in doc["rows"]] == ["mlp"]
+    assert all(doc["rows"][0][f"{v}_ratio"] > 0 for v in ("engine", "noise", "auto"))
+
+
 def test_run_all_lists_the_scripts_in_order():
     proc = run_script("run_all.py", "--list", "--quick", timeout=120)
     names = [Path(line.split()[1]).stem for line in proc.stdout.splitlines() if line.strip()]

@@ -11,6 +11,7 @@ from torch import nn
 from batchpilot.core.loss import supervised_loss
 from batchpilot.memory.probes import emulate_capacity
 from batchpilot.train.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from batchpilot.train.noise import NoiseConfig
 
 from engine_utils import CE, GLOBAL, InjectOOM, assert_params_close, batches, make, one_thread, params, peak_at  # noqa: F401
 
@@ -221,6 +222,28 @@ def test_bf16_autocast_trains_close_to_fp32():
     losses = [eng.step(b).loss for b in data]
     assert seen[0] == torch.bfloat16
     assert losses == pytest.approx(ref, rel=0.05)
+
+
+@pytest.mark.parametrize("noise", [None, True, NoiseConfig(mode="every")], ids=["defaults", "noise first", "noise every"])
+def test_a_float64_model_trains_exactly_with_accumulation(noise):
+    """float64 parameters and data, 4 micro-batches a step: each update is one plain float64 step on the whole
+    batch, whether the noise scale is measured or not (its norms once refused float64 gradients)."""
+    model, opt = make("mlp")
+    model.double()
+    data = [(x.double(), y) for x, y in batches(model, 32, 4)]
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    ref = params(model)
+    model, opt = make("mlp")
+    model.double()
+    eng = Engine(model, opt, CE, global_batch_size=32, micro_batch_size=8, noise=noise)
+    results = [eng.step(b) for b in data]
+    assert [r.accum_steps for r in results] == [4] * 4
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert all((r.noise is None) == (noise is None) for r in results)
+    assert_params_close(params(model), ref, rtol=1e-12, atol=1e-12)
 
 
 def test_fp16_scaler_skips_inf_steps_and_checkpoints():

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from batchpilot.app.models import example_batch
 from batchpilot.policy.schedule import AdaptiveSchedule
 from batchpilot.train import noise as noise_module
 from batchpilot.train.data import ElasticBatchSampler
@@ -55,6 +56,7 @@ def half_mse(model: nn.Module, batch) -> torch.Tensor:
 
 
 def run(model, opt, w_star, *, steps: int, global_batch: int, micro: int, seed: int = 1, loss_fn=half_mse, **kw):
+    kw.setdefault("noise", True)  # the engine measures nothing unless asked
     engine = Engine(model, opt, loss_fn, global_batch_size=global_batch, micro_batch_size=micro, **kw)
     g = torch.Generator().manual_seed(seed)
     results = [engine.step(draw(w_star, global_batch, g)) for _ in range(steps)]
@@ -108,13 +110,117 @@ def test_squared_norm_is_exact_and_safe_for_fp16():
     assert float(squared_norm(big)) == pytest.approx(9e7, rel=1e-3)
 
 
-def test_defaults_follow_what_each_mode_needs():
-    assert (NoiseConfig().beta, NoiseConfig(mode="every").beta, NoiseConfig(beta=0.9).beta) == (0.99, 0.95, 0.9)
+def test_squared_norm_accumulates_float64_in_float64_and_bf16_in_float32():
+    g = torch.Generator().manual_seed(0)
+    wide = [torch.randn(300, dtype=torch.float64, generator=g), torch.randn(4, 5, dtype=torch.float64, generator=g)]
+    got = squared_norm(wide)  # torch refuses to narrow float64 to a float32 norm
+    assert got.dtype == torch.float64
+    assert float(got) == pytest.approx(sum(float((t**2).sum()) for t in wide), rel=1e-13)  # fp32 is off by ~1e-7
+    low = [t.to(torch.bfloat16) for t in wide]
+    got = squared_norm(low)
+    assert got.dtype == torch.float32
+    assert float(got) == pytest.approx(sum(float((t.double() ** 2).sum()) for t in low), rel=1e-5)
+    mixed = squared_norm([wide[0], low[1]])
+    assert mixed.dtype == torch.float64
+    assert float(mixed) == pytest.approx(float((wide[0] ** 2).sum()) + float((low[1].double() ** 2).sum()), rel=1e-6)
+
+
+def test_the_engine_measures_nothing_unless_asked_or_a_schedule_follows_it():
     model, opt = make("mlp")
-    assert Engine(model, opt, CE, global_batch_size=16).noise_meter.config.mode == "first"
+    plain = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4)
+    assert plain.noise_meter is None and "noise" not in plain.describe()
+    assert plain.step(next(batches(model, 16, 1))).noise is None and plain.state_dict()["noise"] is None
+    following = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, schedule=AdaptiveSchedule())
+    assert following.noise_meter is not None
+    assert following.step(next(batches(model, following.per_rank_batch_size, 1))).noise is not None
+
+
+def test_a_config_without_a_mode_gets_the_schedules_mode_and_describe_names_it(caplog):
+    """NoiseConfig(dataset_size=N) under a schedule that follows the noise scale is the same
+    measurement as noise=True there (every, beta 0.95): adding the correction changes no mode."""
+    model, opt = make("mlp")
+
+    def meter(noise, schedule=None):
+        engine = Engine(model, opt, CE, global_batch_size=64, micro_batch_size=16, noise=noise, schedule=schedule)
+        return engine, engine.noise_meter.config
+
+    engine, cfg = meter(NoiseConfig(dataset_size=400), AdaptiveSchedule())
+    assert (cfg.mode, cfg.beta, cfg.dataset_size) == ("every", 0.95, 400)
+    assert engine.describe().endswith("; noise every (beta 0.95, a lone micro-batch split)")
+    assert meter(True, AdaptiveSchedule())[1] == NoiseConfig(mode="every", dataset_size=None)
+    engine, cfg = meter(NoiseConfig(dataset_size=400))
+    assert (cfg.mode, cfg.beta) == ("first", 0.99)
+    assert engine.describe() == "global 64 = micro 16 × world 1 × accum 4; noise first (beta 0.99)"
+    # a mode asked for is kept, and under a following schedule its cost in accuracy is announced
+    with caplog.at_level("INFO", logger="batchpilot.train.noise"):
+        engine, cfg = meter(NoiseConfig(mode="first", dataset_size=400), AdaptiveSchedule())
+    assert (cfg.mode, cfg.beta) == ("first", 0.99)
+    assert "noise first (beta 0.99" in engine.describe()
+    assert any("noise mode first (beta 0.99) under the adaptive" in r.getMessage() and "as asked" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ValueError, match="needs a NoiseConfig with a mode"):
+        noise_module.NoiseMeter(NoiseConfig(), world=1, deferred=False, split=False)
+
+
+def test_under_a_following_schedule_a_config_without_a_mode_measures_like_noise_true():
+    """The same steps, batch changes and estimates: nothing switches to the slow first mode."""
+    runs = {}
+    for label, noise in (("true", True), ("config", NoiseConfig(split="auto"))):
+        model, opt = make("mlp", lr=0.05)
+        engine = Engine(model, opt, CE, global_batch_size=64, micro_batch_size=8, noise=noise,
+                        schedule=AdaptiveSchedule(min_batch_size=16, max_batch_size=64, every=2))
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(8):
+            r = engine.step(example_batch(model, engine.per_rank_batch_size, generator=g))
+            out.append((r.global_batch_size, r.noise.small_count, float(r.noise.trace_ema)))
+        runs[label] = out
+    assert runs["config"] == runs["true"]
+    assert all(count >= 2 for _, count, _ in runs["true"])  # every micro-batch, a lone one split
+
+
+@pytest.mark.parametrize("mode", ["first", "every"])
+def test_a_float64_model_is_measured_in_float64_and_unbiased(mode):
+    """The issue's float64 model with accumulation: no dtype error, and the estimates are those of float64."""
+    model, opt, w_star, truth = regression()
+    model.double()
+    engine = Engine(model, opt, half_mse, global_batch_size=64, micro_batch_size=8,
+                    noise=NoiseConfig(mode=mode, beta=0.99))
+    g = torch.Generator().manual_seed(1)
+    results = [engine.step(tuple(t.double() for t in draw(w_star, 64, g))) for _ in range(200)]
+    assert all(r.noise is not None and isinstance(r.noise.grad_sq, float) for r in results)
+    assert_unbiased([r.noise.grad_sq for r in results], truth["grad_sq"], "|G|² in float64")
+    assert_unbiased([r.noise.trace for r in results], truth["trace"], "tr(Σ) in float64")
+    assert engine.noise_scale == pytest.approx(truth["b_simple"], rel=0.10 if mode == "every" else 0.15)
+
+
+@pytest.mark.parametrize("case", ["bf16 autocast", "bf16 parameters"])
+def test_bf16_runs_are_measured_and_agree_with_fp32(case):
+    out = {}
+    for label in ("fp32", case):
+        model, opt, w_star, _ = regression()
+        if label == "bf16 parameters":
+            model.to(torch.bfloat16)
+        engine = Engine(model, opt, half_mse, global_batch_size=64, micro_batch_size=8,
+                        amp="bf16" if label == "bf16 autocast" else None, noise=NoiseConfig(mode="every"))
+        g = torch.Generator().manual_seed(1)
+        dtype = torch.bfloat16 if label == "bf16 parameters" else torch.float32
+        results = [engine.step(tuple(t.to(dtype) for t in draw(w_star, 64, g))) for _ in range(60)]
+        assert all(r.noise is not None and math.isfinite(r.noise_scale) for r in results), label
+        out[label] = (results[-1].noise.grad_sq_ema, results[-1].noise.trace_ema)
+    assert out[case][0] == pytest.approx(out["fp32"][0], rel=0.1)
+    assert out[case][1] == pytest.approx(out["fp32"][1], rel=0.1)
+
+
+def test_defaults_follow_what_each_mode_needs():
+    assert (NoiseConfig(mode="first").beta, NoiseConfig(mode="every").beta, NoiseConfig(beta=0.9).beta) == (0.99, 0.95, 0.9)
+    model, opt = make("mlp")
+    asked = Engine(model, opt, CE, global_batch_size=16, noise=True).noise_meter.config
+    assert (asked.mode, asked.beta) == ("first", 0.99)
     # a schedule that follows the noise scale needs an estimate that settles in tens of steps
     following = Engine(model, opt, CE, global_batch_size=16, schedule=AdaptiveSchedule())
     assert following.noise_meter.config.mode == "every" and following.noise_meter.split
+    assert (following.noise_meter.config.beta) == 0.95
 
 
 def test_config_errors_say_what_to_change():
@@ -298,7 +404,7 @@ def test_noise_off_and_the_checkpoint_continues_the_emas_exactly():
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)["engine"]  # plain numbers: nothing to unpickle
     model, opt, w_star, _ = regression()
-    second = Engine(model, opt, half_mse, global_batch_size=32, micro_batch_size=8)
+    second = Engine(model, opt, half_mse, global_batch_size=32, micro_batch_size=8, noise=True)
     second.load_state_dict(state)
     g = torch.Generator().manual_seed(7)
     for _ in range(10):
@@ -390,7 +496,7 @@ def test_a_coordinator_that_cannot_sum_the_norms_gets_no_measurement():
             return None
 
     model, opt = make("mlp")
-    engine = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld())
+    engine = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld(), noise=True)
     assert engine.noise_meter is None
     assert engine.step(next(batches(model, 8, 1))).noise is None
     with pytest.raises(ValueError, match="OldWorld over 2 ranks cannot sum the noise scale's norms.*DistributedCoordinator"):

@@ -532,7 +532,8 @@ def run_training(config: TrainConfig) -> TrainResult:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
     capacity = _resolve_capacity(config, device)
     squeeze = _resolve_squeeze(config, capacity, total_steps or 0, total_samples if scheduled else None)
-    mode = ("every" if schedule.reads_noise else "first") if config.noise == "auto" else config.noise
+    # auto: the engine's choice for its schedule (every under one that follows the noise scale)
+    mode = None if config.noise == "auto" else config.noise
     noise = False if config.noise == "off" else NoiseConfig(mode=mode, dataset_size=split.num_train)
     # None: the engine runs the finder on the first batch; an int skips it
     start = None if config.grad_accum_steps is None else -(-config.batch_size // config.grad_accum_steps)

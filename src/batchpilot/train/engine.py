@@ -233,9 +233,11 @@ class Engine:
             :mod:`batchpilot.core.batch`); they go whole to every micro-batch.
         split_fn: ``split_fn(batch, start, stop)`` cutting a batch into micro-batches your way.
         config: adaptive knobs, see :class:`EngineConfig`.
-        noise: measure the gradient noise scale (:mod:`batchpilot.train.noise`): ``True`` (default,
-            ``NoiseConfig()``; ``NoiseConfig(mode="every")`` under a schedule that follows the
-            noise scale), a :class:`~batchpilot.train.noise.NoiseConfig`, or ``False``.
+        noise: measure the gradient noise scale (:mod:`batchpilot.train.noise`): ``None``
+            (default) only under a schedule that follows it; ``True`` (``NoiseConfig()``: mode
+            ``every`` under such a schedule, else ``first``), a
+            :class:`~batchpilot.train.noise.NoiseConfig`, or ``False``. Off by default: it costs
+            one or two gradient norms per step (``benchmarks/overhead.py``).
         schedule: a global-batch schedule (:mod:`batchpilot.policy.schedule`), or its spec for
             :func:`~batchpilot.policy.schedule.parse_schedule` (``"adaptive"``); ``global_batch_size`` is
             then the batch the optimizer's LR is set for, and the engine moves to the
@@ -287,7 +289,7 @@ class Engine:
         config: EngineConfig | None = None,
         shared: str | Iterable[str] | None = None,
         split_fn: SplitFn | None = None,
-        noise: bool | NoiseConfig = True,
+        noise: bool | NoiseConfig | None = None,
         schedule: BatchSchedule | str | None = None,
         lengths: LengthConfig | bool | None = None,
     ) -> None:
@@ -617,7 +619,11 @@ class Engine:
         rank, micro 32 × accum 4 (1 of 32, 3 of 31)`` (balanced, ``"auto"``) or ``... (last
         micro-batch 29)`` (a fixed micro-batch); before the first step the micro-batch reads
         ``not chosen yet``. With ``"auto"`` the reason (:attr:`micro_batch_reason`) follows a colon.
+        With the noise scale measured, its mode follows a semicolon (``; noise every (beta 0.95)``).
         """
+        return self._describe_batch() + ("" if self.noise_meter is None else f"; {self.noise_meter.describe()}")
+
+    def _describe_batch(self) -> str:
         why = f": {self.micro_batch_reason}" if self.micro_batch_reason and not self.fixed else ""
         config = self.batch_config
         if config is not None:

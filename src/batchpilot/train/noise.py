@@ -10,6 +10,7 @@ before the deferred all-reduce and the global one after. Details: ``docs/interna
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -27,6 +28,7 @@ __all__ = [
     "NoiseMeter",
     "NoiseSample",
     "NoiseScale",
+    "default_mode",
     "make_meter",
     "population_factor",
     "squared_norm",
@@ -182,13 +184,16 @@ class NoiseConfig:
     """How the engine measures the gradient noise scale.
 
     Attributes:
-        mode: ``"first"`` (default): the small batch is each step's first micro-batch (or, over
-            several ranks with a deferred sync, each rank's share); ``"every"``: every
-            micro-batch on every rank, more accurate (the mean of several small batches) for one
-            gradient norm per micro-batch and one gradient-sized buffer during each backward.
-        beta: EMA factor for ``|G|²`` and ``tr(Σ)``; ``None``: :data:`DEFAULT_BETA` of the mode,
-            0.99 for ``first`` (about 200 steps: one small batch a step needs long averaging) and
-            0.95 for ``every`` (about 40; see ``benchmarks/README.md`` for what each needs).
+        mode: ``"first"``: the small batch is each step's first micro-batch (or, over several
+            ranks with a deferred sync, each rank's share); ``"every"``: every micro-batch on
+            every rank, more accurate (the mean of several small batches) for one gradient norm
+            per micro-batch and one gradient-sized buffer during each backward. ``None``
+            (default): the engine's choice, :func:`default_mode`: ``every`` under a schedule
+            that follows the noise scale, ``first`` otherwise. A mode given is kept.
+        beta: EMA factor for ``|G|²`` and ``tr(Σ)``; ``None``: :data:`DEFAULT_BETA` of the mode
+            (once the mode is known), 0.99 for ``first`` (about 200 steps: one small batch a step
+            needs long averaging) and 0.95 for ``every`` (about 40; see ``benchmarks/README.md``
+            for what each needs).
         dataset_size: samples in the data set an epoch draws the batches from without
             replacement; enables the finite-population correction (without it a small data set
             biases ``B_simple`` upward: by ``B_simple / N`` relative). ``None``: fresh samples.
@@ -202,17 +207,19 @@ class NoiseConfig:
             ``split`` other than True, False, "auto".
     """
 
-    mode: Literal["first", "every"] = "first"
+    mode: Literal["first", "every"] | None = None
     beta: float | None = None
     dataset_size: int | None = None
     split: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.mode not in NOISE_MODES:
-            raise ValueError(f"noise mode must be one of {', '.join(NOISE_MODES)}, got {self.mode!r}")
-        if self.beta is None:
+        if self.mode is not None and self.mode not in NOISE_MODES:
+            raise ValueError(f"noise mode must be one of {', '.join(NOISE_MODES)} (or None for the engine's "
+                             f"choice), got {self.mode!r}")
+        if self.beta is None and self.mode is not None:
             self.beta = DEFAULT_BETA[self.mode]
-        NoiseScale(self.beta)  # validates beta
+        if self.beta is not None:
+            NoiseScale(self.beta)  # validates beta
         if self.dataset_size is not None:
             check_int("dataset_size", self.dataset_size, minimum=2,
                       hint="; the finite-population correction needs the number of samples an epoch draws from")
@@ -268,16 +275,29 @@ class NoiseSample:
 
 
 def squared_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``Σ |t|²`` over ``tensors`` as a 0-dim float32 tensor on the first one's device.
+    """``Σ |t|²`` over ``tensors`` as a 0-dim tensor on the first one's device.
 
-    One multi-tensor norm (the fewest kernel launches, and on CPU faster than a dot product
-    per tensor), accumulated in fp32 so that fp16 gradients cannot overflow.
+    One multi-tensor norm per accumulation dtype (the fewest kernel launches, and on CPU faster
+    than a dot product per tensor): fp16 / bf16 / fp32 in fp32, so that fp16 gradients cannot
+    overflow; fp64 in fp64 (torch refuses to narrow it, and a float64 model keeps its precision).
+    The result has the widest of them.
     """
     dev = tensors[0].device
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
-    if any(n.device != dev for n in norms):  # a model spread over devices
-        norms = [n.to(dev) for n in norms]
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(_accumulation(t.dtype), []).append(t)
+    norms: list[torch.Tensor] = []
+    for acc, group in groups.items():
+        norms.extend(torch._foreach_norm(group, 2, dtype=acc))
+    if len(groups) > 1 or any(n.device != dev for n in norms):  # mixed dtypes, or a model spread over devices
+        widest = max(groups, key=lambda d: torch.finfo(d).bits)
+        norms = [n.to(device=dev, dtype=widest) for n in norms]
     return torch.stack(norms).square().sum()
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a norm of ``dtype`` values is squared in: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _host(value: torch.Tensor) -> Number:
@@ -322,6 +342,8 @@ class NoiseMeter:
     """
 
     def __init__(self, config: NoiseConfig, *, world: int, deferred: bool, split: bool) -> None:
+        if config.mode is None:
+            raise ValueError("NoiseMeter needs a NoiseConfig with a mode; make_meter chooses one for mode=None")
         self.config = config
         self.world = world
         self.deferred = deferred
@@ -329,6 +351,11 @@ class NoiseMeter:
         self.scale = NoiseScale(config.beta)
         self._warned = False
         self._reset_attempt()
+
+    def describe(self) -> str:
+        """The mode in use and its EMA factor, e.g. ``noise every (beta 0.95, a lone micro-batch split)``."""
+        split = ", a lone micro-batch split" if self.split else ""
+        return f"noise {self.config.mode} (beta {self.config.beta:g}{split})"
 
     # -- per attempt -----------------------------------------------------------------------
     def _reset_attempt(self) -> None:
@@ -486,7 +513,7 @@ class NoiseMeter:
             return None
         dev = grads[0].device
         if grad_norm is not None:
-            big_sq = _host(grad_norm.detach().float().square().to(dev))
+            big_sq = _host(grad_norm.detach().to(device=dev, dtype=_accumulation(grad_norm.dtype)).square())
         else:
             big_sq = _host(squared_norm(grads)) * self._inv_scale
         samples = self._n * self.world
@@ -525,29 +552,45 @@ class NoiseMeter:
         self.scale.load_state_dict(state)
 
 
-def make_meter(noise: bool | NoiseConfig, *, world: int, coordinator: Any, follower: str | None = None) -> NoiseMeter | None:
-    """The engine's meter for ``noise`` (``True``, ``False`` or a :class:`NoiseConfig`), or ``None``.
+def default_mode(follower: str | None) -> str:
+    """The mode of a :class:`NoiseConfig` that names none: ``every`` for a schedule that follows the noise scale
+    (it reads the estimate every few steps, so it must settle in tens of steps, not hundreds), else ``first``."""
+    return "first" if follower is None else "every"
 
-    ``follower`` names a schedule that reads the noise scale: it makes a missing measurement an
-    error, turns ``split="auto"`` on, and makes ``noise=True`` mean ``NoiseConfig(mode="every")``
-    (a schedule needs an estimate that settles in tens of steps, not hundreds). Over several
-    ranks the coordinator must sum the local norms (``sync_gradients_and_sum`` and
-    ``sum_over_ranks``); without them nothing is measured.
+
+def make_meter(noise: bool | NoiseConfig | None, *, world: int, coordinator: Any,
+               follower: str | None = None) -> NoiseMeter | None:
+    """The engine's meter for ``noise``, or ``None`` (nothing measured).
+
+    ``noise``: ``None`` (the engine's default) measures only for a ``follower``, a schedule
+    that reads the noise scale; ``True`` is ``NoiseConfig()``; ``False`` measures nothing. A
+    config without a mode gets :func:`default_mode`; a mode given is kept, and a ``first``
+    under a follower is announced (its estimate settles in about 200 steps). ``follower`` also
+    makes a missing measurement an error and turns ``split="auto"`` on. Over several ranks the
+    coordinator must sum the local norms (``sync_gradients_and_sum`` and ``sum_over_ranks``);
+    without them nothing is measured.
 
     Raises:
-        TypeError: ``noise`` is not a bool or a :class:`NoiseConfig`.
+        TypeError: ``noise`` is not None, a bool or a :class:`NoiseConfig`.
         ValueError: ``follower`` is set and the noise scale would not be measured.
     """
+    if noise is None:
+        noise = follower is not None
     if noise is False:
         if follower is not None:
             raise ValueError(f"the {follower} schedule follows the gradient noise scale; "
-                             "leave noise on (noise=True or a NoiseConfig)")
+                             "leave noise on (leave noise= out, noise=True or a NoiseConfig)")
         return None
     if noise is True:
-        noise = NoiseConfig(mode="first" if follower is None else "every")
+        noise = NoiseConfig()
     if not isinstance(noise, NoiseConfig):
-        raise TypeError(f"noise must be True, False or a batchpilot.train.noise.NoiseConfig, "
+        raise TypeError(f"noise must be True, False or a batchpilot.train.noise.NoiseConfig (None: the default), "
                         f"got {type(noise).__name__}")
+    if noise.mode is None:
+        noise = dataclasses.replace(noise, mode=default_mode(follower))
+    elif noise.mode == "first" and follower is not None:
+        logger.info("noise mode first (beta %s) under the %s schedule, as asked: its estimate settles in about "
+                    "200 steps; NoiseConfig(mode=None or \"every\") settles in about 40", noise.beta, follower)
     if world > 1 and not (hasattr(coordinator, "sync_gradients_and_sum") and hasattr(coordinator, "sum_over_ranks")):
         message = (f"{type(coordinator).__name__} over {world} ranks cannot sum the noise scale's norms "
                    "(no sync_gradients_and_sum / sum_over_ranks)")
