@@ -8,6 +8,8 @@ group. The single-process tests run FSDP2 over a one-rank gloo group in this pro
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from batchpilot.app.models import MLP, TinyGPT
 from batchpilot.core.sharding import _param_groups, fsdp_roots, is_fsdp, reset_fsdp_state, shard_blocks, shard_model
@@ -29,9 +32,10 @@ from batchpilot.train.engine import Engine, EngineConfig, LocalCoordinator
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 import fsdp_common as fc  # noqa: E402
-from dist_launch import assert_params_close, read_result, torchrun  # noqa: E402
+from dist_launch import ROOT, assert_params_close, read_result, torchrun  # noqa: E402
 
 WORKER = HELPERS / "fsdp_worker.py"
+EXAMPLE = ROOT / "examples" / "fsdp_train.py"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,6 +149,46 @@ def test_storage_tracker_counts_sharded_parameters_and_in_place_resizes(one_rank
     assert m.peak_bytes - m.start_bytes == 8000 and m.end_bytes - m.start_bytes == 8000
     with emulate_capacity(4000), pytest.raises(torch.OutOfMemoryError, match="resize_"):
         torch.empty(0).untyped_storage().resize_(8000)
+
+
+def test_dtensor_sharding_propagation_allocates_nothing_under_an_emulated_capacity(one_rank):
+    # DTensor propagates an operator's sharding on fake tensors at the full unsharded shape:
+    # they own no memory, so an in-place add on a 4 MiB weight fits a 5 MiB device
+    layer = fully_shard(nn.Linear(1024, 1024, bias=False), mesh=one_rank)
+    before = layer.weight.full_tensor().clone()
+    with emulate_capacity("5MiB", track=(layer,)) as probe:
+        start = probe.allocated()
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+        assert probe.allocated() == probe.peak() == start == 4 * 2**20
+    assert torch.equal(layer.weight.full_tensor(), before + 1)
+
+
+def _example(*args: str) -> subprocess.Popen:
+    """``python examples/fsdp_train.py ARGS``: one rank, its own gloo group."""
+    return subprocess.Popen([sys.executable, str(EXAMPLE), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+
+
+def test_one_rank_example_under_an_emulated_capacity_trains_or_says_nothing_fits():
+    # 4 MiB holds a step at batch 1 (3.06 MiB tracked with accumulation) under the 80% target;
+    # 3 MiB does not: the honest answer is "nothing fits" with the real peak, not DTensor's error
+    fits, small = _example("--steps", "3", "--capacity", "4MiB"), _example("--steps", "3", "--capacity", "3MiB")
+    (out, err), (small_out, small_err) = fits.communicate(timeout=240), small.communicate(timeout=240)
+    assert fits.returncode == 0, err[-4000:]
+    assert sum(line.startswith("epoch 0 step") for line in out.splitlines()) == 3, out
+    assert small.returncode == 1 and "Sharding propagation" not in small_err, small_err[-4000:]
+    assert "NothingFitsError: nothing fits on cpu: batch size 1" in small_err, small_err[-4000:]
+
+
+def test_two_rank_example_too_small_for_one_sample_ends_with_the_real_reason():
+    # rank 1's 2 MiB is under a step at one sample (2.20 MiB tracked): every rank ends, naming it
+    with pytest.raises(AssertionError) as failed:
+        torchrun(EXAMPLE, "--capacity", "6MiB,2MiB", timeout=180)
+    text = str(failed.value)
+    assert "Sharding propagation" not in text, text
+    assert "rank 1 ran out of memory" in text or "nothing fits" in text, text
 
 
 # -- the planner --------------------------------------------------------------------------------------

@@ -269,6 +269,29 @@ def test_a_caller_first_guess_is_recorded_but_not_as_a_plan():
     assert plan.trials[0].batch_size == 3 and plan.first_guess == 3 and plan.seeded_by is None
 
 
+def test_a_step_slicing_a_dataset_tensor_gets_one_answer_whatever_the_order_of_the_trials():
+    # the README's pattern: each trial pays for its own slice X[:b], not for the widest slice of
+    # the search so far (that charge made the answers 3016 / 2992 / 3078 and the default search 8 trials)
+    torch.manual_seed(0)
+    X, Y = torch.randn(20000, 256), torch.randint(0, 10, (20000,))
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(b: int) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[:b]), Y[:b]).backward()
+        opt.step()
+
+    plans = [find_batch_size(step, capacity="40MiB", device="cpu", restore=(model, opt), first_guess=guess)
+             for guess in (None, 4096, 700)]
+    assert [p.batch_size for p in plans] == [plans[0].batch_size] * 3, [p.batch_size for p in plans]
+    assert 2000 < plans[0].batch_size < 4096
+    assert all(p.num_trials <= 5 for p in plans), [[t.batch_size for t in p.trials] for p in plans]
+    # the answer's trial is charged its own slice: the same peak in every search
+    peaks = {t.peak_bytes for p in plans for t in p.trials if t.batch_size == p.batch_size}
+    assert len(peaks) == 1 and peaks.pop() <= 0.8 * parse_bytes("40MiB")
+
+
 # ---------------------------------------------------------------------------
 # planner-seeded search (plan_first)
 

@@ -164,6 +164,22 @@ def test_a_slice_of_host_data_counts_like_its_clone():
     assert xb.shape == (16, 64)
 
 
+def test_fake_tensors_beneath_the_tracker_are_never_charged():
+    # fake modes run after user modes: a FakeTensorMode entered inside a tracker (as DTensor's
+    # sharding propagation does, at the full unsharded shape) hands it fake outputs, which own no memory
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    held = torch.ones(1000)
+    with emulate_capacity("1MiB", track=(held,)) as probe:
+        start = probe.allocated()
+        with FakeTensorMode():
+            big = torch.empty(4 * 2**20)  # 16 MiB, fake
+            (big * 2).sum()
+        assert probe.allocated() == probe.peak() == start == 4000
+        with pytest.raises(torch.OutOfMemoryError):  # real tensors are still limited
+            torch.empty(4 * 2**20)
+
+
 def test_untracked_leaves_nested_windows_untouched():
     with track_peak("cpu") as outer:
         a = torch.empty(100)

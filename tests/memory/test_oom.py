@@ -41,6 +41,55 @@ def test_is_oom_table(exc, expected):
     assert is_oom(exc) is expected
 
 
+def _raised(exc: BaseException, cause: BaseException | None) -> BaseException:
+    """``exc`` as ``raise exc from cause`` leaves it."""
+    try:
+        raise exc from cause
+    except BaseException as caught:
+        return caught
+
+
+def test_an_oom_re_raised_from_inside_dtensor_dispatch_is_an_oom():
+    # DTensor re-raises its sharding propagation's errors as RuntimeError(f"{e}\n\nSharding
+    # propagation failed for ...") from e: a real emulated OOM stays an OOM through that
+    with emulate_capacity(1000), pytest.raises(torch.OutOfMemoryError) as raised:
+        torch.empty(10_000)
+    emulated = raised.value
+    wrapped = _raised(RuntimeError(f"{emulated}\n\nSharding propagation failed for aten.addcdiv_.default"), emulated)
+    assert is_oom(wrapped)
+    twice = _raised(RuntimeError("while tracing"), wrapped)
+    assert is_oom(twice)
+    cuda = _raised(RuntimeError("Sharding propagation failed"), torch.OutOfMemoryError("CUDA out of memory."))
+    assert is_oom(cuda)
+
+
+def test_only_an_oom_cause_makes_a_wrapper_an_oom():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not is_oom(_raised(RuntimeError("Sharding propagation failed"), ValueError("shapes do not match")))
+    assert not is_oom(_raised(ValueError("bad batch"), oom))  # not a wrapper: the user's error keeps its type
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError:
+            raise RuntimeError("unrelated") from None  # raised while handling it, not from it
+    except RuntimeError as unrelated:
+        assert unrelated.__context__ is oom and not is_oom(unrelated)
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError:
+            raise RuntimeError("unrelated")  # noqa: B904 (the implicit context is the point)
+    except RuntimeError as unrelated:
+        assert unrelated.__context__ is oom and not is_oom(unrelated)
+    assert not is_oom(_raised(RuntimeError("CUDA error: an illegal memory access was encountered"), oom))
+    retired = _raised(RuntimeError("rank 1 ran out of memory"), oom)
+    retired.retryable = False  # e.g. CollectiveOOMError: its process group is gone
+    assert not is_oom(retired)
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__cause__, b.__cause__ = b, a  # a cycle ends the walk
+    assert not is_oom(a)
+
+
 def test_illegal_access_is_fatal():
     assert is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_fatal_device_error(torch.OutOfMemoryError("CUDA out of memory"))

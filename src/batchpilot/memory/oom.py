@@ -82,14 +82,30 @@ def is_oom(exc: BaseException) -> bool:
     raised with the process within reach of its address-space limit (``RLIMIT_AS``, or the
     commit limit under strict overcommit), where a failed mapping of its JIT code or scratch
     buffers is what it reports; call this where it was raised, before the failed step's
-    memory is let go. Errors that leave the device unusable (illegal memory access), and
+    memory is let go. A ``RuntimeError`` raised ``from`` an OOM counts as that OOM: DTensor's
+    dispatch re-raises an error from its sharding propagation so ("Sharding propagation failed
+    for ..."). Errors that leave the device unusable (illegal memory access), and
     errors marked ``retryable = False`` (an aborted FSDP step that quotes its OOM), are never OOM.
     """
-    if not isinstance(exc, BaseException) or is_fatal_device_error(exc):
-        return False
-    if getattr(exc, "retryable", True) is False:
-        # e.g. batchpilot.dist.fsdp.CollectiveOOMError: it quotes an OOM, but its process group is gone
-        return False
+    seen: set[int] = set()
+    while isinstance(exc, BaseException) and id(exc) not in seen:
+        if is_fatal_device_error(exc):
+            return False
+        if getattr(exc, "retryable", True) is False:
+            # e.g. batchpilot.dist.fsdp.CollectiveOOMError: it quotes an OOM, but its process group is gone
+            return False
+        if _is_oom_itself(exc):
+            return True
+        if not isinstance(exc, RuntimeError):
+            return False
+        # a wrapper (DTensor's "Sharding propagation failed for ...") keeps the OOM as its cause
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return False
+
+
+def _is_oom_itself(exc: BaseException) -> bool:
+    """:func:`is_oom` for one retryable exception, its cause aside."""
     # CUDA, HIP, XPU and the emulated capacity all raise this type
     if isinstance(exc, torch.OutOfMemoryError):
         return True

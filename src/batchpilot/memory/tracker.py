@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     is_traceable_wrapper_subclass,
@@ -50,7 +51,8 @@ class StorageTracker(TorchDispatchMode):
     bytes past it raises ``torch.OutOfMemoryError``: the CPU then behaves like a
     device of that size. Allocations made inside a kernel that never surface as
     tensors (scratch buffers) are invisible, as they are to every
-    dispatch-level tracker.
+    dispatch-level tracker. Fake tensors (``FakeTensorMode``, such as DTensor's sharding
+    propagation makes at the full unsharded shape) own no memory and are never counted.
 
     :meth:`paused` (or :func:`untracked` for every running tracker) switches
     the counting off for a block, e.g. for copies kept in host memory that are
@@ -95,7 +97,9 @@ class StorageTracker(TorchDispatchMode):
             timeline.append(self.live)
 
     def _storage(self, t: Any) -> torch.UntypedStorage | None:
-        if not isinstance(t, torch.Tensor) or t.device != self.device:
+        # fake tensors own no memory; they reach this mode from a FakeTensorMode beneath it (fake
+        # modes run after user modes), e.g. DTensor's sharding propagation at the full unsharded shape
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device != self.device:
             return None
         try:
             return t.untyped_storage()
