@@ -15,6 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from conftest import xdist_thread_share
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +65,8 @@ def test_make_tests_workers_set_a_module_scoped_fixture_up_once(tmp_path):
     assert len(setups) == 1, (setups, proc.stdout)
     # and the run is parallel: both workers had tests
     assert "[gw0]" in proc.stdout and "[gw1]" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(xdist_thread_share() is None, reason="only on a pytest-xdist worker (make test)")
+def test_an_xdist_worker_runs_torch_on_its_share_of_the_cores():
+    assert torch.get_num_threads() == xdist_thread_share()
