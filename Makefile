@@ -29,8 +29,12 @@ venv: $(BIN)/.installed
 train: venv
 	$(BIN)/batchpilot train $(ARGS)
 
+# pytest-xdist, one worker per core. --dist load keeps each test file on one worker, so a
+# module-scoped fixture (one torchrun launch for a file's tests) runs once. JOBS=0: one process.
+JOBS ?= auto
+XDIST = -n $(JOBS) --dist loadfile
 test: venv $(BIN)/.integrations
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
 
 bench: venv
 	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli,bench]'

@@ -18,6 +18,22 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 
+def xdist_thread_share() -> int | None:
+    """torch's CPU threads for this pytest-xdist worker (its share of the cores), or None outside xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+def pytest_configure(config):
+    # make test runs a worker per core: a worker's OpenMP threads beyond its share would spin against
+    # the other workers' on each tiny kernel (the reason run_cli and the cli fixture use one thread)
+    share = xdist_thread_share()
+    if share is not None:
+        torch.set_num_threads(share)
+
+
 def pytest_collection_finish(session):
     # Lightning and transformers (tests/integrations) import about 450,000 Python objects, which every
     # later gc.collect() walks: 0.7 s each on the 2-core CI machine, and batchpilot's free_memory runs
