@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.ranks import default_device, is_distributed, known_rank, local_rank, rank, world_size
+from ..core.sharding import is_fsdp
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.oom import is_oom
@@ -383,13 +384,6 @@ class DistributedCoordinator:
 # The finder on every rank
 
 
-def _is_sharded(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
 # What a rank contributes to the agreement when its local search did not produce a size.
 _NOTHING_FITS = 0
 _FAILED = -1
@@ -450,7 +444,7 @@ def find_batch_size_distributed(
         BatchSizeError: Invalid options, as :func:`~batchpilot.find.finder.find_batch_size`.
     """
     items = [o for o in restore if o is not None]
-    if any(isinstance(o, nn.Module) and _is_sharded(o) for o in items):
+    if any(isinstance(o, nn.Module) and is_fsdp(o) for o in items):
         raise ValueError(
             "the model is sharded with fully_shard (FSDP2): its forward runs collectives, so ranks "
             "cannot search alone; use batchpilot.dist.fsdp.find_batch_size_fsdp, which runs the trials in lockstep"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.ranks import is_distributed
-from ..core.sharding import fsdp_roots, is_fsdp, reset_fsdp_state
+from ..core.sharding import fsdp_modules, fsdp_roots, is_fsdp, reset_fsdp_state
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.oom import Attempt, attempt, free_memory
@@ -34,10 +34,8 @@ from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
 from .distributed import DistributedCoordinator, _all_reduce_ints
 
 try:  # FSDP2 is public from torch 2.6
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - older torch
-    FSDPModule = None  # type: ignore[assignment,misc]
     AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
 
 __all__ = [
@@ -140,9 +138,7 @@ def _install_ledger(model: nn.Module, ledger: _Ledger) -> int:
             all-reduce cannot be counted.
     """
     sizes = set()
-    for m in model.modules():
-        if FSDPModule is None or not isinstance(m, FSDPModule):
-            continue
+    for m in fsdp_modules(model):
         groups = m._get_fsdp_state()._fsdp_param_groups
         if not groups:
             continue

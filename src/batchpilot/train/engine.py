@@ -25,6 +25,7 @@ from ..core.amp import amp_dtype as _amp_dtype, autocast
 from ..core.batch import BatchLayout, BatchSplitter, SplitFn
 from ..core.compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from ..core.loss import as_loss_fn, parse_loss
+from ..core.sharding import is_fsdp
 from ..dist.coordinator import Coordinator, LocalCoordinator
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
@@ -292,7 +293,7 @@ class Engine:
         lengths: LengthConfig | bool | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
-        self._fsdp = _is_fsdp(model)
+        self._fsdp = is_fsdp(model)
         self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator(self._fsdp)
         self.layout = BatchLayout.of(shared, split_fn)
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
@@ -1332,15 +1333,6 @@ def _default_coordinator(fsdp: bool = False) -> Coordinator:
         logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())
         return DistributedCoordinator()
     return LocalCoordinator()
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` has ``fully_shard`` modules (FSDP2), without importing batchpilot.dist.fsdp."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _dist_world_size() -> int:
