@@ -1,4 +1,5 @@
-"""One home per concept: "is this FSDP2?" is answered by :mod:`batchpilot.core.sharding` only.
+"""One home per concept: "is this FSDP2?" is answered by :mod:`batchpilot.core.sharding` only,
+"how many ranks?" by :mod:`batchpilot.core.ranks` only.
 
 Every module of the package is read with ``ast`` (as :mod:`test_layering` does); a check written
 a second time elsewhere fails here with the line to replace and the helper to call instead.
@@ -64,3 +65,22 @@ def test_asking_is_fsdp_does_not_load_fsdp_at_import():
             "print(is_fsdp(nn.Sequential(nn.Linear(2, 2))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def _world_size_calls(tree: ast.AST) -> list[int]:
+    """Lines of ``get_world_size(...)`` calls (``dist.``, ``torch.distributed.`` or imported bare)."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and _name(node.func) == "get_world_size"]
+
+
+def test_the_scan_sees_a_world_size_call():
+    code = "import torch.distributed as dist\nn = dist.get_world_size(g)\nm = torch.distributed.get_world_size()\n"
+    assert _world_size_calls(ast.parse(code)) == [2, 3]
+
+
+def test_world_size_has_one_home():
+    wrong = [f"{rel}:{line}" for rel, path in SOURCES.items() if rel != "core/ranks.py"
+             for line in _world_size_calls(ast.parse(path.read_text(), str(path)))]
+    assert not wrong, ("torch.distributed.get_world_size called outside batchpilot/core/ranks.py; call "
+                       "batchpilot.core.ranks.group_size (the process group's) or world_size "
+                       "(the launcher's too) instead:\n" + "\n".join(wrong))

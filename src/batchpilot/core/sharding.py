@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import is_distributed
+from .ranks import group_size, is_distributed
 
 __all__ = ["fsdp_modules", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
 
@@ -98,7 +98,7 @@ def shard_model(model: nn.Module, *, mesh: Any = None, blocks: Iterable[nn.Modul
         from torch.distributed.device_mesh import init_device_mesh
 
         kind = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(kind, (dist.get_world_size(),))
+        mesh = init_device_mesh(kind, (group_size(),))
     for block in (shard_blocks(model) if blocks is None else blocks):
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.ranks import default_device, is_distributed, known_rank, local_rank, rank, world_size
+from ..core.ranks import default_device, group_size, is_distributed, known_rank, local_rank, rank, world_size
 from ..core.sharding import is_fsdp
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
@@ -129,7 +129,7 @@ def _all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any) -> list[int
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
     _refuse_inside_oom_handler("an agreement (all-reduce)")
-    if not is_distributed() or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return [int(v) for v in values]
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(t, op=_OPS[op], group=group)
@@ -155,7 +155,7 @@ def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[
     """
     if not is_distributed():
         return int(value), rank(), int(value), bool(flag)
-    world = dist.get_world_size(group)
+    world = group_size(group)
     encoded, negated, negated_flag = _all_reduce_ints(
         [int(value) * world + dist.get_rank(group), -int(value), -int(bool(flag))], "min", group=group
     )
@@ -238,7 +238,7 @@ class DistributedCoordinator:
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group) if is_distributed() else 1
+        return group_size(self.group)
 
     @property
     def rank(self) -> int:

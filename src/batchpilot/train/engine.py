@@ -25,6 +25,7 @@ from ..core.amp import amp_dtype as _amp_dtype, autocast
 from ..core.batch import BatchLayout, BatchSplitter, SplitFn
 from ..core.compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from ..core.loss import as_loss_fn, parse_loss
+from ..core.ranks import group_size
 from ..core.sharding import is_fsdp
 from ..dist.coordinator import Coordinator, LocalCoordinator
 from ..find.finder import find_batch_size
@@ -392,13 +393,13 @@ class Engine:
             self._apply_schedule_change(first)
         #: sizes each step by its sequence length (batchpilot.train.lengths), or None
         self.lengths: LengthSizer | None = make_sizer(self, lengths, self.plan)
-        if self._ddp and self._world == 1 and _dist_world_size() > 1:
+        if self._ddp and self._world == 1 and group_size() > 1:
             logger.warning(
                 "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
                 "is not agreed on, (sum, count) losses are normalised per rank, and "
                 "global_batch_size=%d is what each rank trains (%d in all); leave coordinator= out "
-                "to get batchpilot.dist.distributed.DistributedCoordinator", _dist_world_size(), self._global,
-                self._global * _dist_world_size(),
+                "to get batchpilot.dist.distributed.DistributedCoordinator", group_size(), self._global,
+                self._global * group_size(),
             )
 
     # ------------------------------------------------------------------ public
@@ -1326,15 +1327,10 @@ def _default_coordinator(fsdp: bool = False) -> Coordinator:
         from ..dist.fsdp import FSDPCoordinator  # on first use, as distributed
 
         return FSDPCoordinator()
-    if _dist_world_size() > 1:
+    if group_size() > 1:
         # imported here, on first use: a plain training script does not load the distributed layer
         from ..dist.distributed import DistributedCoordinator
 
-        logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())
+        logger.info("a process group of %d ranks is running: using DistributedCoordinator()", group_size())
         return DistributedCoordinator()
     return LocalCoordinator()
-
-
-def _dist_world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

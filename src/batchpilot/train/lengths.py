@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .._checks import check_int
 from ..core.batch import BatchSplitter, to_device
+from ..core.ranks import group_size
 from ..core.seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
 from ..find.lengths import LengthPlan
 from ..memory.units import format_bytes
@@ -436,7 +437,7 @@ class LengthSizer:
 
         if not all_reduce_int(len(self._events), "max", group=self._group):
             return
-        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        gathered: list[Any] = [None] * group_size(self._group)
         dist.all_gather_object(gathered, self._events, group=self._group)
         self._events = []
         self._apply([event for events in gathered for event in events])
