@@ -27,6 +27,7 @@ from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.oom import is_oom
 from ..policy.search import NothingFitsError
+from .coordinator import LocalCoordinator
 from .gradsync import all_reduce_gradients, broadcast_buffers, syncs_buffers
 
 __all__ = [
@@ -179,7 +180,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 @dataclass(kw_only=True)
-class DistributedCoordinator:
+class DistributedCoordinator(LocalCoordinator):
     """Keep ranks in step inside :class:`batchpilot.train.engine.Engine`: pass ``coordinator=`` it.
 
     With ``defer_grad_sync=True`` (the default and the safe choice) the engine runs every
@@ -357,6 +358,17 @@ class DistributedCoordinator:
         summed = values.detach().to(device=_collective_device(self.group), dtype=torch.float32, copy=True)
         dist.all_reduce(summed, group=self.group)
         return summed.to(values.device)
+
+    def find_batch_size(self, step: Callable[..., Any], *, restore: Iterable[Any] = (),
+                        replay: Callable[[int], Any] | None = None, **options: Any) -> BatchPlan:
+        """:func:`find_batch_size_distributed` over this coordinator's group (the engine's ``"auto"`` start).
+
+        Records :attr:`limited_by_rank`: the agreement that follows sees equal proposals, and
+        only the search knows which rank limited them. ``replay`` is not needed (ranks search alone).
+        """
+        plan = find_batch_size_distributed(step, restore=restore, group=self.group, **options)
+        self.limited_by_rank = plan.limited_by_rank
+        return plan
 
     def _sync(self, model: nn.Module, values: torch.Tensor | None) -> torch.Tensor | None:
         world = self.world_size

@@ -214,6 +214,7 @@ class FSDPCoordinator(DistributedCoordinator):
     """
 
     defer_grad_sync: bool = field(default=False, init=False)
+    lockstep = True  # FSDP's forward and backward run collectives: trials and attempts in lockstep
     guard_poll: float = 1.0
     guard_wait: float = 10.0
     replays: int = field(default=0, init=False)
@@ -347,8 +348,10 @@ class FSDPCoordinator(DistributedCoordinator):
 
     def find_batch_size(self, step: Callable[..., Any], *, restore: Iterable[Any] = (),
                         replay: Callable[[int], Any] | None = None, **options: Any) -> BatchPlan:
-        """:func:`find_batch_size_fsdp` with this coordinator (the engine's ``"auto"`` start)."""
-        return find_batch_size_fsdp(step, restore=restore, coordinator=self, replay=replay, **options)
+        """:func:`find_batch_size_fsdp` with this coordinator (the engine's ``"auto"`` start); records :attr:`limited_by_rank`."""
+        plan = find_batch_size_fsdp(step, restore=restore, coordinator=self, replay=replay, **options)
+        self.limited_by_rank = plan.limited_by_rank
+        return plan
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Nothing to do: FSDP reduce-scatters in the last micro-batch's backward."""

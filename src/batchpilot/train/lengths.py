@@ -140,7 +140,7 @@ class LengthSizer:
         self._step_micro = 0
         # each search's largest fitting batch by length, and whether it stopped at the batch cap
         self._found: dict[int, tuple[int, bool]] = {}
-        self._group = getattr(engine.coordinator, "group", None)
+        self._group = engine.coordinator.group
         self._world = engine.world_size
         self._events: list[tuple] = []  # what this rank learnt since the last exchange (several ranks)
         self._owner = True  # this rank holds the step's length (its search lines are the ones kept)
