@@ -84,3 +84,24 @@ def test_world_size_has_one_home():
     assert not wrong, ("torch.distributed.get_world_size called outside batchpilot/core/ranks.py; call "
                        "batchpilot.core.ranks.group_size (the process group's) or world_size "
                        "(the launcher's too) instead:\n" + "\n".join(wrong))
+
+
+def _weakref_calls(tree: ast.AST) -> list[tuple[str, int]]:
+    """``(enclosing class, line)`` of every ``weakref.ref`` / ``weakref.finalize`` call."""
+    found = []
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)] + [tree]:
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("ref", "finalize") and _name(node.func.value) == "weakref"):
+                found.append((getattr(cls, "name", "<module>"), node.lineno))
+    # a call inside a class is also seen from the module: keep the innermost owner
+    lines = {line for owner, line in found if owner != "<module>"}
+    return [(owner, line) for owner, line in found if owner != "<module>" or line not in lines]
+
+
+def test_one_storage_ledger():
+    # a storage's death is heard in one place: the ledger the tracker and the planner share
+    found = [(rel, owner, line) for rel, path in SOURCES.items()
+             for owner, line in _weakref_calls(ast.parse(path.read_text(), str(path)))]
+    assert found and all((rel, owner) == ("memory/tracker.py", "StorageLedger") for rel, owner, _ in found), (
+        "storages counted outside batchpilot.memory.tracker.StorageLedger; charge them there: " + repr(found))

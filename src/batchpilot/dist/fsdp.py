@@ -348,7 +348,10 @@ class FSDPCoordinator(DistributedCoordinator):
 
     def find_batch_size(self, step: Callable[..., Any], *, restore: Iterable[Any] = (),
                         replay: Callable[[int], Any] | None = None, **options: Any) -> BatchPlan:
-        """:func:`find_batch_size_fsdp` with this coordinator (the engine's ``"auto"`` start); records :attr:`limited_by_rank`."""
+        """:func:`find_batch_size_fsdp` with this coordinator (the engine's ``"auto"`` start).
+
+        Records :attr:`limited_by_rank`, as :meth:`DistributedCoordinator.find_batch_size` does.
+        """
         plan = find_batch_size_fsdp(step, restore=restore, coordinator=self, replay=replay, **options)
         self.limited_by_rank = plan.limited_by_rank
         return plan
