@@ -476,7 +476,7 @@ def test_on_cuda_the_measurement_adds_no_host_sync_and_keeps_tensors():
         assert math.isfinite(result.noise_scale)
 
 
-def test_a_coordinator_that_cannot_sum_the_norms_gets_no_measurement():
+def test_a_coordinator_that_cannot_sum_the_norms_gets_no_measurement_and_no_engine():
     class OldWorld:  # a user's coordinator from before the noise scale: no sync_gradients_and_sum
         world_size, defer_grad_sync = 2, True
 
@@ -495,10 +495,12 @@ def test_a_coordinator_that_cannot_sum_the_norms_gets_no_measurement():
         def sync_gradients(self, model):
             return None
 
-    model, opt = make("mlp")
-    engine = Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld(), noise=True)
-    assert engine.noise_meter is None
-    assert engine.step(next(batches(model, 8, 1))).noise is None
+    assert noise_module.make_meter(True, world=2, coordinator=OldWorld()) is None
     with pytest.raises(ValueError, match="OldWorld over 2 ranks cannot sum the noise scale's norms.*DistributedCoordinator"):
-        Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld(),
-               schedule=AdaptiveSchedule())
+        noise_module.make_meter(True, world=2, coordinator=OldWorld(), follower="adaptive")
+    # the engine refuses such a coordinator before any work: the Coordinator protocol declares
+    # every member it calls, and LocalCoordinator holds their defaults
+    model, opt = make("mlp")
+    with pytest.raises(TypeError, match="OldWorld lacks .*sync_gradients_and_sum, sum_over_ranks.*subclass "
+                                        "batchpilot.dist.coordinator.LocalCoordinator"):
+        Engine(model, opt, CE, global_batch_size=16, micro_batch_size=4, coordinator=OldWorld())

@@ -9,11 +9,12 @@ its own variables, which therefore win over the allocation's.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "known_rank", "rank", "world_size", "local_rank", "default_device"]
+__all__ = ["is_distributed", "known_rank", "rank", "world_size", "group_size", "local_rank", "default_device"]
 
 _RANK_VARS = ("RANK", "SLURM_PROCID")
 _WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS")
@@ -82,9 +83,18 @@ def world_size() -> int:
         ValueError: The environment variable is not an integer >= 1.
     """
     if is_distributed():
-        return dist.get_world_size()
+        return group_size()
     found = _launcher_int(_WORLD_VARS, minimum=1)
     return 1 if found is None else found
+
+
+def group_size(group: Any = None) -> int:
+    """Number of ranks in the process group ``group`` (``None``: the default group); 1 when none is initialised.
+
+    Unlike :func:`world_size` it ignores the launcher's environment: the size of the group the
+    collectives would run over, 1 before ``init_process_group``.
+    """
+    return dist.get_world_size(group) if is_distributed() else 1
 
 
 def local_rank() -> int:

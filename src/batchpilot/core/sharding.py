@@ -12,30 +12,48 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import is_distributed
+from .ranks import group_size, is_distributed
 
-try:  # FSDP2 is public from torch 2.6
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older torch
-    FSDPModule = None  # type: ignore[assignment,misc]
+__all__ = ["fsdp_modules", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
 
-__all__ = ["fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
 
+def _fsdp_module_type() -> type | None:
+    """FSDP2's ``FSDPModule``, or ``None`` on torch < 2.6.
+
+    Imported on first use, not with this module: ``torch.distributed.fsdp`` takes seconds to
+    load, and a plain training script never needs it.
+    """
+    try:  # FSDP2 is public from torch 2.6
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return FSDPModule
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` (itself included) that were given to ``fully_shard``, in order."""
+    kind = _fsdp_module_type()
+    return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` or one of its submodules was given to ``fully_shard``."""
-    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+    """Whether ``model`` or one of its submodules was given to ``fully_shard``.
+
+    The one answer to "is this FSDP2?" for every layer (the engine, the finder, the coordinators).
+    """
+    kind = _fsdp_module_type()
+    return kind is not None and any(isinstance(m, kind) for m in model.modules())
 
 
 def fsdp_roots(model: nn.Module) -> list[nn.Module]:
     """The outermost ``fully_shard`` modules of ``model`` (itself, when it was sharded last)."""
-    if FSDPModule is None:
+    kind = _fsdp_module_type()
+    if kind is None:
         return []
     roots: list[nn.Module] = []
     inside: list[str] = []
     for name, m in model.named_modules():
-        if isinstance(m, FSDPModule) and not any(name.startswith(p) for p in inside):
+        if isinstance(m, kind) and not any(name.startswith(p) for p in inside):
             roots.append(m)
             inside.append(f"{name}." if name else "")
     return roots
@@ -80,7 +98,7 @@ def shard_model(model: nn.Module, *, mesh: Any = None, blocks: Iterable[nn.Modul
         from torch.distributed.device_mesh import init_device_mesh
 
         kind = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(kind, (dist.get_world_size(),))
+        mesh = init_device_mesh(kind, (group_size(),))
     for block in (shard_blocks(model) if blocks is None else blocks):
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
@@ -89,9 +107,8 @@ def shard_model(model: nn.Module, *, mesh: Any = None, blocks: Iterable[nn.Modul
 
 def _param_groups(model: nn.Module) -> list[Any]:
     groups = []
-    for m in model.modules():
-        if FSDPModule is not None and isinstance(m, FSDPModule):
-            groups += list(m._get_fsdp_state()._fsdp_param_groups)
+    for m in fsdp_modules(model):
+        groups += list(m._get_fsdp_state()._fsdp_param_groups)
     return groups
 
 

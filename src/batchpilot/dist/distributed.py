@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.ranks import default_device, is_distributed, known_rank, local_rank, rank, world_size
+from ..core.ranks import default_device, group_size, is_distributed, known_rank, local_rank, rank, world_size
+from ..core.sharding import is_fsdp
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.oom import is_oom
 from ..policy.search import NothingFitsError
+from .coordinator import LocalCoordinator
 from .gradsync import all_reduce_gradients, broadcast_buffers, syncs_buffers
 
 __all__ = [
@@ -128,7 +130,7 @@ def _all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any) -> list[int
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
     _refuse_inside_oom_handler("an agreement (all-reduce)")
-    if not is_distributed() or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return [int(v) for v in values]
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(t, op=_OPS[op], group=group)
@@ -154,7 +156,7 @@ def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[
     """
     if not is_distributed():
         return int(value), rank(), int(value), bool(flag)
-    world = dist.get_world_size(group)
+    world = group_size(group)
     encoded, negated, negated_flag = _all_reduce_ints(
         [int(value) * world + dist.get_rank(group), -int(value), -int(bool(flag))], "min", group=group
     )
@@ -178,7 +180,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 @dataclass(kw_only=True)
-class DistributedCoordinator:
+class DistributedCoordinator(LocalCoordinator):
     """Keep ranks in step inside :class:`batchpilot.train.engine.Engine`: pass ``coordinator=`` it.
 
     With ``defer_grad_sync=True`` (the default and the safe choice) the engine runs every
@@ -237,7 +239,7 @@ class DistributedCoordinator:
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group) if is_distributed() else 1
+        return group_size(self.group)
 
     @property
     def rank(self) -> int:
@@ -357,6 +359,17 @@ class DistributedCoordinator:
         dist.all_reduce(summed, group=self.group)
         return summed.to(values.device)
 
+    def find_batch_size(self, step: Callable[..., Any], *, restore: Iterable[Any] = (),
+                        replay: Callable[[int], Any] | None = None, **options: Any) -> BatchPlan:
+        """:func:`find_batch_size_distributed` over this coordinator's group (the engine's ``"auto"`` start).
+
+        Records :attr:`limited_by_rank`: the agreement that follows sees equal proposals, and
+        only the search knows which rank limited them. ``replay`` is not needed (ranks search alone).
+        """
+        plan = find_batch_size_distributed(step, restore=restore, group=self.group, **options)
+        self.limited_by_rank = plan.limited_by_rank
+        return plan
+
     def _sync(self, model: nn.Module, values: torch.Tensor | None) -> torch.Tensor | None:
         world = self.world_size
         if world == 1:
@@ -382,13 +395,6 @@ class DistributedCoordinator:
 # ---------------------------------------------------------------------------
 # The finder on every rank
 
-
-def _is_sharded(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 # What a rank contributes to the agreement when its local search did not produce a size.
 _NOTHING_FITS = 0
@@ -450,7 +456,7 @@ def find_batch_size_distributed(
         BatchSizeError: Invalid options, as :func:`~batchpilot.find.finder.find_batch_size`.
     """
     items = [o for o in restore if o is not None]
-    if any(isinstance(o, nn.Module) and _is_sharded(o) for o in items):
+    if any(isinstance(o, nn.Module) and is_fsdp(o) for o in items):
         raise ValueError(
             "the model is sharded with fully_shard (FSDP2): its forward runs collectives, so ranks "
             "cannot search alone; use batchpilot.dist.fsdp.find_batch_size_fsdp, which runs the trials in lockstep"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.ranks import is_distributed
-from ..core.sharding import fsdp_roots, is_fsdp, reset_fsdp_state
+from ..core.sharding import fsdp_modules, fsdp_roots, is_fsdp, reset_fsdp_state
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.oom import Attempt, attempt, free_memory
@@ -34,10 +34,8 @@ from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
 from .distributed import DistributedCoordinator, _all_reduce_ints
 
 try:  # FSDP2 is public from torch 2.6
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover - older torch
-    FSDPModule = None  # type: ignore[assignment,misc]
     AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
 
 __all__ = [
@@ -140,9 +138,7 @@ def _install_ledger(model: nn.Module, ledger: _Ledger) -> int:
             all-reduce cannot be counted.
     """
     sizes = set()
-    for m in model.modules():
-        if FSDPModule is None or not isinstance(m, FSDPModule):
-            continue
+    for m in fsdp_modules(model):
         groups = m._get_fsdp_state()._fsdp_param_groups
         if not groups:
             continue
@@ -218,6 +214,7 @@ class FSDPCoordinator(DistributedCoordinator):
     """
 
     defer_grad_sync: bool = field(default=False, init=False)
+    lockstep = True  # FSDP's forward and backward run collectives: trials and attempts in lockstep
     guard_poll: float = 1.0
     guard_wait: float = 10.0
     replays: int = field(default=0, init=False)
@@ -351,8 +348,13 @@ class FSDPCoordinator(DistributedCoordinator):
 
     def find_batch_size(self, step: Callable[..., Any], *, restore: Iterable[Any] = (),
                         replay: Callable[[int], Any] | None = None, **options: Any) -> BatchPlan:
-        """:func:`find_batch_size_fsdp` with this coordinator (the engine's ``"auto"`` start)."""
-        return find_batch_size_fsdp(step, restore=restore, coordinator=self, replay=replay, **options)
+        """:func:`find_batch_size_fsdp` with this coordinator (the engine's ``"auto"`` start).
+
+        Records :attr:`limited_by_rank`, as :meth:`DistributedCoordinator.find_batch_size` does.
+        """
+        plan = find_batch_size_fsdp(step, restore=restore, coordinator=self, replay=replay, **options)
+        self.limited_by_rank = plan.limited_by_rank
+        return plan
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Nothing to do: FSDP reduce-scatters in the last micro-batch's backward."""

@@ -21,6 +21,8 @@ from ..core.amp import amp_dtype as _amp_dtype, autocast
 from ..core.batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
 from ..core.compiled import is_compiled, mark_batch_dynamic
 from ..core.loss import LossFn, as_loss_fn, forward_only, parse_loss
+from ..core.ranks import group_size
+from ..core.sharding import is_fsdp
 from ..memory.gauge import gauge_for
 from ..memory.tracker import view_extent
 from ..memory.units import format_bytes, resolve_device
@@ -190,14 +192,7 @@ def find_batch_size_for(
 
 def _sharded_over_ranks(model: nn.Module) -> bool:
     """A ``fully_shard`` (FSDP2) model in a process group of more than one rank."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return group_size() > 1 and is_fsdp(model)
 
 
 def _train_step(

@@ -1,9 +1,10 @@
 """Exact storage tracking on the CPU: a dispatch mode that counts the bytes of every live tensor storage.
 
 :class:`StorageTracker` counts (and, with a capacity, limits) the storages operators return;
-:func:`active_tracker` and :func:`untracked` find and pause the running ones. The helpers for what
-a dispatch mode does not see by itself (tensor subclasses, in-place storage resizes) are shared
-with the planner's counter (:mod:`batchpilot.plan.planner`).
+:func:`active_tracker` and :func:`untracked` find and pause the running ones. The counting itself
+(:class:`StorageLedger`) and the helpers for what a dispatch mode does not see by itself (tensor
+subclasses, in-place storage resizes) are shared with the planner's counter
+(:mod:`batchpilot.plan.planner`), so that the two agree to the byte.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -26,6 +27,7 @@ from ..core.compiled import eager_while_tracked
 from .units import format_bytes
 
 __all__ = [
+    "StorageLedger",
     "StorageTracker",
     "active_tracker",
     "untracked",
@@ -34,6 +36,100 @@ __all__ = [
     "wraps_subclass",
     "watch_storage_resizes",
 ]
+
+
+class StorageLedger:
+    """The live bytes of a set of storages, and their peak: the one ledger of the tracker and the planner.
+
+    A storage is new the first time it is charged, and a weakref then releases it when the
+    storage is freed (``on_release(key, nbytes)`` hears it); charged again at another size
+    (``resize_``, or a wider view of host data) it changes by the difference. A storage charged
+    for less than its size is *partial*: host data seen through views (:meth:`charge_view`),
+    which :meth:`forget_partial` drops. The peak moves only at :meth:`bump_peak`, so a caller
+    charging several storages for one operator raises it once, after all of them.
+
+    Args:
+        lock: held while a freed storage is released (the weakref callback may run on any
+            thread); the caller holds it around its own calls.
+        on_release: called with the storage's key and bytes after it was released.
+    """
+
+    def __init__(self, *, lock: contextlib.AbstractContextManager | None = None,
+                 on_release: Callable[[int, int], None] | None = None) -> None:
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._partial: set[int] = set()
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._on_release = on_release
+
+    def size(self, key: int) -> int | None:
+        """The bytes charged for the storage ``id(storage) == key``; ``None`` when it is not in the ledger."""
+        return self._sizes.get(key)
+
+    def is_partial(self, key: int) -> bool:
+        """Whether that storage is charged for less than its size (host data seen through views)."""
+        return key in self._partial
+
+    def charge(self, st: torch.UntypedStorage, nbytes: int) -> int:
+        """Charge ``st`` ``nbytes`` (its size, or the part a view covers); the change in live bytes."""
+        key = id(st)
+        old = self._sizes.get(key)
+        if old is None:
+            self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
+            old = 0
+        self._sizes[key] = nbytes
+        if nbytes < st.nbytes():
+            self._partial.add(key)
+        else:
+            self._partial.discard(key)
+        self.live += nbytes - old
+        return nbytes - old
+
+    def charge_view(self, st: torch.UntypedStorage, view: torch.Tensor) -> None:
+        """Charge host data ``st`` by the bytes ``view`` covers; a wider view later charges up to it.
+
+        A storage charged whole is left as it is (it is no host data).
+        """
+        key = id(st)
+        old = self._sizes.get(key)
+        if old is not None and key not in self._partial:
+            return
+        covered = min(st.nbytes(), view_extent(view))
+        if old is None or covered > old:
+            self.charge(st, covered)
+
+    def forget_partial(self) -> int:
+        """Drop every partial storage from the ledger (no release is heard); the bytes dropped."""
+        freed = 0
+        for key in list(self._partial):
+            freed += self._sizes.pop(key, 0)
+            self._refs.pop(key, None)
+        self._partial.clear()
+        self.live -= freed
+        return freed
+
+    def bump_peak(self) -> bool:
+        """Raise the peak to the live bytes; whether it rose."""
+        if self.live > self.peak:
+            self.peak = self.live
+            return True
+        return False
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._refs.pop(key, None)
+            self._partial.discard(key)
+            nbytes = self._sizes.pop(key, None)
+            if nbytes is None:
+                return
+            self.live -= nbytes
+            if self._on_release is not None:
+                self._on_release(key, nbytes)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -66,30 +162,36 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.device = torch.device(device)
         self.capacity = capacity
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}
-        self._refs: dict[int, weakref.ref] = {}
-        # storages charged for less than their size: host data seen through views
-        self._partial: set[int] = set()
+        self._lock = threading.Lock()
+        self._ledger = StorageLedger(lock=self._lock)
         # the open track_peak regions (probes.PeakMeasurement), whose peak_bytes this raises
         self._windows: list[Any] = []
         self._timelines: list[list[int]] = []
-        self._lock = threading.Lock()
         # per thread: another thread's operators are still device memory while one thread pauses
         self._pause = threading.local()
         self._eager: list[contextlib.AbstractContextManager] = []
 
     # -- bookkeeping ------------------------------------------------------
-    def _release(self, key: int, _ref: Any) -> None:
-        with self._lock:
-            self._refs.pop(key, None)
-            self._partial.discard(key)
-            self.live -= self._sizes.pop(key, 0)
+    @property
+    def live(self) -> int:
+        """Bytes of the live storages counted."""
+        return self._ledger.live
+
+    @property
+    def peak(self) -> int:
+        """The most :attr:`live` has been since the start or :meth:`reset_peak`."""
+        return self._ledger.peak
+
+    def charged(self, t: torch.Tensor) -> int | None:
+        """The bytes counted for ``t``'s storage, ``None`` when uncounted.
+
+        Less than the storage's size for host data seen through views.
+        """
+        st = self._storage(t)
+        return None if st is None else self._ledger.size(id(st))
 
     def _bump_peak(self) -> None:
-        if self.live > self.peak:
-            self.peak = self.live
+        self._ledger.bump_peak()
         for w in self._windows:
             if self.live > w.peak_bytes:
                 w.peak_bytes = self.live
@@ -109,17 +211,8 @@ class StorageTracker(TorchDispatchMode):
     def _add_storages(self, storages: Iterable[torch.UntypedStorage]) -> None:
         with self._lock:
             for st in storages:
-                key = id(st)
-                nbytes = st.nbytes()
-                old = self._sizes.get(key)
-                if old is None:
-                    self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
-                    self._sizes[key] = nbytes
-                    self.live += nbytes
-                elif old != nbytes:  # resize_ grew or shrank a storage in place (or host data now tracked whole)
-                    self._sizes[key] = nbytes
-                    self.live += nbytes - old
-                self._partial.discard(key)
+                # new, or resized in place, or host data now tracked whole
+                self._ledger.charge(st, st.nbytes())
             self._bump_peak()
 
     def forget_host_views(self) -> int:
@@ -130,13 +223,7 @@ class StorageTracker(TorchDispatchMode):
         charge is dropped, so each run pays for its own slice and not for the widest one before it.
         """
         with self._lock:
-            freed = 0
-            for key in list(self._partial):
-                freed += self._sizes.pop(key, 0)
-                self._refs.pop(key, None)
-            self._partial.clear()
-            self.live -= freed
-            return freed
+            return self._ledger.forget_partial()
 
     def track(self, *objs: Any) -> StorageTracker:
         """Count tensors that already exist: modules, optimizers, tensors, or containers of them."""
@@ -149,7 +236,7 @@ class StorageTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         with self._lock:
-            self.peak = self.live
+            self._ledger.reset_peak()
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[int]]:
@@ -215,7 +302,7 @@ class StorageTracker(TorchDispatchMode):
             if st is None:
                 continue
             key = id(st)
-            old = self._sizes.get(key)
+            old = self._ledger.size(key)
             if key in host_keys:
                 views.append(t)  # a view of host data (a slice of a dataset): charged by what it covers
             elif old is None:
@@ -223,7 +310,7 @@ class StorageTracker(TorchDispatchMode):
             elif old != st.nbytes():
                 grown.append(st)
         request = sum(st.nbytes() for st in fresh.values())
-        request += sum(st.nbytes() - self._sizes[id(st)] for st in grown)
+        request += sum(st.nbytes() - self._ledger.size(id(st)) for st in grown)
         if self.capacity is not None and request > 0 and self.live + request > self.capacity:
             live, cap = self.live, self.capacity
             del out, fresh, grown
@@ -243,7 +330,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _is_host(self, t: Any) -> bool:
         st = self._storage(t)
-        return st is not None and (id(st) not in self._sizes or id(st) in self._partial)
+        return st is not None and (self._ledger.size(id(st)) is None or self._ledger.is_partial(id(st)))
 
     def _charge_host_views(self, leaves: Iterable[Any]) -> None:
         """Count tensors that existed before the tracker by the bytes each view covers.
@@ -256,32 +343,15 @@ class StorageTracker(TorchDispatchMode):
         with self._lock:
             for t in leaves:
                 st = self._storage(t)
-                if st is None:
-                    continue
-                key = id(st)
-                old = self._sizes.get(key)
-                if old is not None and key not in self._partial:
-                    continue
-                size = st.nbytes()
-                covered = min(size, view_extent(t))
-                if old is None:
-                    self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
-                    self._sizes[key] = covered
-                    self.live += covered
-                    if covered < size:
-                        self._partial.add(key)
-                elif covered > old:
-                    self._sizes[key] = covered
-                    self.live += covered - old
-                    if covered == size:
-                        self._partial.discard(key)
+                if st is not None:
+                    self._ledger.charge_view(st, t)
             self._bump_peak()
 
     # -- storages resized in place (FSDP2 frees and re-allocates unsharded parameters so) -----
     def _pre_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
         if getattr(self._pause, "depth", 0) or st.device != self.device:
             return
-        grow = nbytes - self._sizes.get(id(st), 0)
+        grow = nbytes - (self._ledger.size(id(st)) or 0)
         if self.capacity is not None and grow > 0 and self.live + grow > self.capacity:
             raise torch.OutOfMemoryError(
                 f"batchpilot emulated capacity exceeded on {self.device}: tried to allocate "
@@ -292,17 +362,10 @@ class StorageTracker(TorchDispatchMode):
     def _post_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
         if st.device != self.device:
             return
-        key = id(st)
         with self._lock:
-            old = self._sizes.get(key)
-            if old is None:
-                if getattr(self._pause, "depth", 0) or nbytes == 0:
-                    return
-                self._refs[key] = weakref.ref(st, lambda r, k=key: self._release(k, r))
-                old = 0
-            self._sizes[key] = nbytes
-            self._partial.discard(key)
-            self.live += nbytes - old
+            if self._ledger.size(id(st)) is None and (getattr(self._pause, "depth", 0) or nbytes == 0):
+                return
+            self._ledger.charge(st, nbytes)
             self._bump_peak()
 
     def __enter__(self) -> StorageTracker:

@@ -13,7 +13,6 @@ import copy
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
@@ -36,7 +35,7 @@ from ..core.amp import amp_dtype, autocast
 from ..core.batch import BatchLayout, BatchSplitter
 from ..core.compiled import eager_while_tracked
 from ..core.loss import as_loss_fn, forward_only, parse_loss
-from ..memory.tracker import tensor_storages, watch_storage_resizes, wraps_subclass
+from ..memory.tracker import StorageLedger, tensor_storages, watch_storage_resizes, wraps_subclass
 from ..memory.units import format_bytes, parse_bytes
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .result import MemoryEstimate, PlanResult, PlanningError
@@ -121,9 +120,9 @@ _ROLES = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "ac
 
 @dataclass(eq=False)
 class _Record:
-    nbytes: int
+    """A storage the planner counts: its role, and its key in the CUDA allocator model."""
+
     role: str | None = None
-    ref: Any = None
 
 
 def _batch_norm_ops() -> tuple[Any, ...]:
@@ -169,8 +168,8 @@ class _FakeStorageCounter(TorchDispatchMode):
 
     Runs on top of a ``FakeTensorMode``; counts every storage an operator
     reads or returns once (views share it) and drops it when the storage is
-    freed (weakref), exactly as the CPU tracker does for real tensors. Every
-    change is logged, so the live set at the peak can be rebuilt at the end;
+    freed, in the CPU tracker's own ledger (:class:`batchpilot.memory.tracker.StorageLedger`).
+    Every change is logged, so the live set at the peak can be rebuilt at the end;
     roles (gradient, optimizer state, ...) are given later by :meth:`mark`,
     so a gradient counts as one even if the peak came just before autograd
     stored it. Optionally replays the allocations through a CUDA allocator model.
@@ -178,45 +177,49 @@ class _FakeStorageCounter(TorchDispatchMode):
 
     def __init__(self, allocator: CachingAllocatorModel | None = None) -> None:
         super().__init__()
-        self.live = 0
-        self.peak = 0
         self.allocator = allocator
+        self._ledger = StorageLedger(on_release=self._released)
         self._records: dict[int, _Record] = {}
         self._log: list[tuple[_Record, int]] = []  # (record, change in bytes)
         self._peak_at = 0  # log entries up to the peak
         self.resize_role: str | None = None  # what a storage grown in place is (FSDP: unsharded parameters)
 
-    def _change(self, rec: _Record, delta: int) -> None:
-        self.live += delta
+    @property
+    def live(self) -> int:
+        return self._ledger.live
+
+    @property
+    def peak(self) -> int:
+        return self._ledger.peak
+
+    def _logged(self, rec: _Record, delta: int) -> None:
         self._log.append((rec, delta))
-        if self.live > self.peak:
-            self.peak = self.live
+        if self._ledger.bump_peak():
             self._peak_at = len(self._log)
 
-    def _release(self, key: int) -> None:
+    def _released(self, key: int, nbytes: int) -> None:
         rec = self._records.pop(key, None)
         if rec is not None:
-            self._change(rec, -rec.nbytes)
+            self._logged(rec, -nbytes)
             if self.allocator is not None:
                 self.allocator.free(rec)
 
     def _add(self, storage: torch.UntypedStorage, role: str | None = None) -> None:
         key = id(storage)
         nbytes = storage.nbytes()
-        rec = self._records.get(key)
-        if rec is None:
-            rec = _Record(nbytes, role)
-            rec.ref = weakref.ref(storage, lambda _r, k=key: self._release(k))
-            self._records[key] = rec
+        old = self._ledger.size(key)
+        if old is None:
+            rec = self._records[key] = _Record(role)
             if self.allocator is not None:
                 self.allocator.malloc(rec, nbytes)
-            self._change(rec, nbytes)
-        elif rec.nbytes != nbytes:  # resize_ grew or shrank it in place
+        elif old != nbytes:  # resize_ grew or shrank it in place
+            rec = self._records[key]
             if self.allocator is not None:
                 self.allocator.free(rec)
                 self.allocator.malloc(rec, nbytes)
-            delta, rec.nbytes = nbytes - rec.nbytes, nbytes
-            self._change(rec, delta)
+        else:
+            return
+        self._logged(rec, self._ledger.charge(storage, nbytes))
 
     def track(self, tensors: Iterable[torch.Tensor], role: str) -> None:
         """Count tensors that exist before the step, as ``role``."""

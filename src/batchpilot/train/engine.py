@@ -25,12 +25,13 @@ from ..core.amp import amp_dtype as _amp_dtype, autocast
 from ..core.batch import BatchLayout, BatchSplitter, SplitFn
 from ..core.compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from ..core.loss import as_loss_fn, parse_loss
-from ..dist.coordinator import Coordinator, LocalCoordinator
+from ..core.ranks import group_size
+from ..core.sharding import is_fsdp
+from ..dist.coordinator import Coordinator, LocalCoordinator, check_coordinator
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import trim_host_memory
-from ..memory.oom import attempt
 from ..memory.probes import get_probe
 from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, parse_bytes, resolve_device
@@ -294,8 +295,9 @@ class Engine:
         lengths: LengthConfig | bool | None = None,
     ) -> None:
         self._global = _positive_int("global_batch_size", global_batch_size)
-        self._fsdp = _is_fsdp(model)
+        self._fsdp = is_fsdp(model)
         self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator(self._fsdp)
+        check_coordinator(self.coordinator)
         self.layout = BatchLayout.of(shared, split_fn)
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
@@ -393,13 +395,13 @@ class Engine:
             self._apply_schedule_change(first)
         #: sizes each step by its sequence length (batchpilot.train.lengths), or None
         self.lengths: LengthSizer | None = make_sizer(self, lengths, self.plan)
-        if self._ddp and self._world == 1 and _dist_world_size() > 1:
+        if self._ddp and self._world == 1 and group_size() > 1:
             logger.warning(
                 "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
                 "is not agreed on, (sum, count) losses are normalised per rank, and "
                 "global_batch_size=%d is what each rank trains (%d in all); leave coordinator= out "
-                "to get batchpilot.dist.distributed.DistributedCoordinator", _dist_world_size(), self._global,
-                self._global * _dist_world_size(),
+                "to get batchpilot.dist.distributed.DistributedCoordinator", group_size(), self._global,
+                self._global * group_size(),
             )
 
     # ------------------------------------------------------------------ public
@@ -431,9 +433,7 @@ class Engine:
             raise ValueError(self._too_large(n))
         if self.schedule is not None:
             self._check_loader_follows(n)
-        agree_batch = getattr(self.coordinator, "agree_batch", None)
-        if agree_batch is not None:
-            agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
+        self.coordinator.agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
         if self.lengths is not None:
             self.lengths.size_step(split)  # before running: from the memory model at this length
         elif self.micro_batch_size is None:
@@ -487,8 +487,7 @@ class Engine:
             grad_norm, skip_reason = self._apply(acc)
         except BaseException as exc:
             self._drop_grads()
-            explain = getattr(self.coordinator, "explain", None)
-            explained = explain(exc) if explain is not None else None
+            explained = self.coordinator.explain(exc)
             if explained is not None:
                 raise explained from exc  # a peer's failure, told by the coordinator
             raise
@@ -880,7 +879,7 @@ class Engine:
                 ranks: on any rank; then it is raised on every rank, naming that rank).
         """
         # imported here, on first use: a plain training script does not load the distributed layer
-        from ..dist.distributed import find_batch_size_distributed, unwrap_model
+        from ..dist.distributed import unwrap_model
 
         inner = unwrap_model(self.model)
 
@@ -901,29 +900,20 @@ class Engine:
             options.setdefault("capacity", self.config.capacity)
         options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
         options.update(overrides)
-        fsdp_finder = getattr(self.coordinator, "find_batch_size", None)
-        if fsdp_finder is not None:
+        if self.coordinator.lockstep:
             # FSDP: trials in lockstep on every rank (their forward runs collectives). A micro-batch
             # below the per-rank batch accumulates, and FSDP keeps the unsharded gradients between
             # micro-batches: such a trial runs two micro-batches so that its peak holds them
             def rounds(b: int) -> int:
                 return 2 if b < self._per_rank else 1
 
-            plan = fsdp_finder(lambda b: trial(b, rounds(b)), restore=(self.model, self.optimizer),
-                               replay=lambda b: trial(1, rounds(b)), **options)
-            if hasattr(self.coordinator, "limited_by_rank"):
-                self.coordinator.limited_by_rank = plan.limited_by_rank
+            plan = self.coordinator.find_batch_size(lambda b: trial(b, rounds(b)), restore=(self.model, self.optimizer),
+                                                    replay=lambda b: trial(1, rounds(b)), **options)
         elif self._world > 1:
-            # every rank searches alone, then one all-reduce MIN; a nothing-fits on one rank is
-            # raised on all of them. The wrapper goes in `restore`: it is unwrapped for the
-            # snapshot, and a loss_fn that calls it instead of its argument fails clearly.
-            plan = find_batch_size_distributed(
-                trial, restore=(self.model, self.optimizer), group=getattr(self.coordinator, "group", None),
-                **options,
-            )
-            if hasattr(self.coordinator, "limited_by_rank"):
-                # the agreement below sees equal proposals now; the finder knows who limited them
-                self.coordinator.limited_by_rank = plan.limited_by_rank
+            # DistributedCoordinator: every rank searches alone, then one all-reduce MIN; a
+            # nothing-fits on one rank is raised on all of them. The wrapper goes in `restore`: it
+            # is unwrapped for the snapshot, and a loss_fn that calls it instead of its argument fails clearly.
+            plan = self.coordinator.find_batch_size(trial, restore=(self.model, self.optimizer), **options)
         elif accumulating:
             plan = find_batch_size(lambda b: trial(b, 2 if b < self._per_rank else 1),
                                    restore=(inner, self.optimizer), **options)
@@ -1079,19 +1069,17 @@ class Engine:
         return grad_norm, "inf" if skipped else None
 
     def _attempt(self, split: BatchSplitter, micro: int) -> Any:
-        """One attempt at the batch; the coordinator runs it when it must (FSDP's replay after an OOM)."""
-        run = getattr(self.coordinator, "attempt", None)
-        if run is None:
-            return attempt(self._accumulate, split, micro, device=self.device, on_oom=self._drop_grads)
+        """One attempt at the batch, run by the coordinator (FSDP's replays it after an OOM)."""
         count = accum_steps(split.size, micro)  # the replay runs as many micro-batches, of one sample
-        return run(lambda: self._accumulate(split, micro),
-                   lambda: self._accumulate(BatchSplitter(split.slice(0, count), self.layout), 1),
-                   device=self.device, on_oom=self._drop_grads, micro_batch_size=micro, step=self.steps + 1)
+        return self.coordinator.attempt(
+            lambda: self._accumulate(split, micro),
+            lambda: self._accumulate(BatchSplitter(split.slice(0, count), self.layout), 1),
+            device=self.device, on_oom=self._drop_grads, micro_batch_size=micro, step=self.steps + 1,
+        )
 
     def _bind_fsdp(self, model: nn.Module) -> None:
         """Attach the coordinator to a ``fully_shard`` model, or refuse a coordinator that cannot run it."""
-        bind = getattr(self.coordinator, "bind", None)
-        if bind is None or not hasattr(self.coordinator, "set_gradient_sync"):
+        if not self.coordinator.lockstep:
             raise ValueError(
                 f"the model has fully_shard (FSDP2) modules, which {type(self.coordinator).__name__} cannot keep "
                 "in step; leave coordinator= out, or pass batchpilot.dist.fsdp.FSDPCoordinator()"
@@ -1101,7 +1089,7 @@ class Engine:
                 "amp='fp16' with fully_shard: GradScaler would decide on inf gradients per shard and the "
                 "ranks would diverge; use amp='bf16' (or FSDP2's MixedPrecisionPolicy)"
             )
-        bind(model)
+        self.coordinator.bind(model)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device.type, self.amp_dtype)
@@ -1334,24 +1322,10 @@ def _default_coordinator(fsdp: bool = False) -> Coordinator:
         from ..dist.fsdp import FSDPCoordinator  # on first use, as distributed
 
         return FSDPCoordinator()
-    if _dist_world_size() > 1:
+    if group_size() > 1:
         # imported here, on first use: a plain training script does not load the distributed layer
         from ..dist.distributed import DistributedCoordinator
 
-        logger.info("a process group of %d ranks is running: using DistributedCoordinator()", _dist_world_size())
+        logger.info("a process group of %d ranks is running: using DistributedCoordinator()", group_size())
         return DistributedCoordinator()
     return LocalCoordinator()
-
-
-def _is_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` has ``fully_shard`` modules (FSDP2), without importing batchpilot.dist.fsdp."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _dist_world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

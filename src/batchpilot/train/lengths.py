@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .._checks import add_note, check_int
 from ..core.batch import BatchSplitter, to_device
+from ..core.ranks import group_size
 from ..core.seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
 from ..find.lengths import LengthPlan, length_note
 from ..memory.units import format_bytes
@@ -150,7 +151,7 @@ class LengthSizer:
         self._step_micro = 0
         # each search's largest fitting batch by length, and whether it stopped at the batch cap
         self._found: dict[int, tuple[int, bool]] = {}
-        self._group = getattr(engine.coordinator, "group", None)
+        self._group = engine.coordinator.group
         self._world = engine.world_size
         self._events: list[tuple] = []  # what this rank learnt since the last exchange (several ranks)
         self._owner = True  # this rank holds the step's length (its search lines are the ones kept)
@@ -452,7 +453,7 @@ class LengthSizer:
 
         if not all_reduce_int(len(self._events), "max", group=self._group):
             return
-        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        gathered: list[Any] = [None] * group_size(self._group)
         dist.all_gather_object(gathered, self._events, group=self._group)
         self._events = []
         self._apply([event for events in gathered for event in events])

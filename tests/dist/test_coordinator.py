@@ -1,0 +1,115 @@
+"""The Coordinator protocol declares every member the engine uses; LocalCoordinator holds the defaults.
+
+``train/engine.py`` is read with ``ast``: every attribute it reads or calls on its coordinator
+(``self.coordinator.X``, or a local name bound to it) must be a member of :class:`Coordinator`,
+and nothing probes the coordinator with ``getattr`` / ``hasattr``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import batchpilot.train.engine as engine_module
+from batchpilot.dist.coordinator import Coordinator, LocalCoordinator
+from batchpilot.dist.distributed import DistributedCoordinator
+from batchpilot.train.engine import Engine
+
+ENGINE = Path(engine_module.__file__)
+
+
+def _protocol_members() -> set[str]:
+    methods = {name for name, value in vars(Coordinator).items() if callable(value) and not name.startswith("_")}
+    return methods | set(Coordinator.__annotations__)
+
+
+def _is_coordinator(node: ast.AST, aliases: set[str]) -> bool:
+    """``self.coordinator`` (also ``engine.coordinator``), or a local name bound to it."""
+    if isinstance(node, ast.Attribute) and node.attr == "coordinator":
+        return True
+    return isinstance(node, ast.Name) and node.id in aliases
+
+
+def _uses(source: str) -> tuple[dict[str, list[int]], list[int]]:
+    """``{member: lines}`` the source uses on its coordinator, and the lines probing it with getattr/hasattr."""
+    tree = ast.parse(source)
+    aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and _is_coordinator(node.value, set())
+               for t in node.targets if isinstance(t, ast.Name)}
+    used: dict[str, list[int]] = {}
+    probes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_coordinator(node.value, aliases):
+            used.setdefault(node.attr, []).append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and node.args and _is_coordinator(node.args[0], aliases)):
+            probes.append(node.lineno)
+    return used, probes
+
+
+def test_the_scan_sees_uses_aliases_and_probes():
+    code = ("def f(self):\n    self.coordinator.agree(1, 2)\n    coord = self.coordinator\n"
+            "    coord.total_count(3)\n    getattr(self.coordinator, 'bind', None)\n    hasattr(coord, 'x')\n")
+    used, probes = _uses(code)
+    assert used == {"agree": [2], "total_count": [4]} and probes == [5, 6]
+
+
+def test_every_member_the_engine_uses_is_declared_by_the_protocol():
+    used, probes = _uses(ENGINE.read_text())
+    assert probes == [], f"train/engine.py probes its coordinator with getattr/hasattr at lines {probes}"
+    undeclared = {name: lines for name, lines in used.items() if name not in _protocol_members()}
+    assert not undeclared, (f"train/engine.py uses {undeclared} on its coordinator (name: lines), which "
+                            "batchpilot.dist.coordinator.Coordinator does not declare; declare them there, "
+                            "with a default in LocalCoordinator")
+    # the calls the brief of the protocol names: the scan really sees the engine's calls
+    assert {"agree", "agree_oom", "agree_micro_batch", "attempt", "bind", "find_batch_size"} <= set(used)
+
+
+def test_the_base_has_every_member_and_the_coordinators_derive_from_it():
+    members = _protocol_members()
+    assert {"agree_batch", "attempt", "bind", "explain", "find_batch_size", "group", "lockstep",
+            "set_gradient_sync", "sum_over_ranks", "sync_gradients_and_sum"} <= members
+    missing = [m for m in members if not hasattr(LocalCoordinator, m)]
+    assert missing == []
+    # one base: the others inherit its defaults instead of writing them again
+    assert issubclass(DistributedCoordinator, LocalCoordinator)
+    for name in ("bind", "agree_batch", "set_gradient_sync", "attempt", "explain"):
+        assert getattr(DistributedCoordinator, name) is getattr(LocalCoordinator, name), name
+    assert isinstance(LocalCoordinator(), Coordinator) and isinstance(DistributedCoordinator(), Coordinator)
+
+
+def test_the_docstring_states_the_call_order_of_every_method():
+    doc = inspect.getdoc(Coordinator)
+    methods = [m for m in _protocol_members() if callable(getattr(Coordinator, m, None))]
+    assert len(methods) == 13
+    assert [m for m in methods if f"``{m}(" not in doc] == []
+
+
+def test_a_coordinator_outside_the_base_is_refused_with_the_fix():
+    class Partial:  # the five agreements only
+        world_size, defer_grad_sync = 1, False
+
+        def agree_oom(self, oom):
+            return oom
+
+        def agree_micro_batch(self, size):
+            return size
+
+        def agree(self, oom, size):
+            return oom, size
+
+        def total_count(self, count):
+            return count
+
+        def sync_gradients(self, model):
+            return None
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"Partial lacks group, lockstep, bind, find_batch_size, agree_batch, "
+                                        r"set_gradient_sync, attempt, sync_gradients_and_sum, sum_over_ranks, explain"):
+        Engine(model, opt, nn.functional.mse_loss, global_batch_size=8, coordinator=Partial())

@@ -1,0 +1,45 @@
+"""StorageLedger: the counting the CPU tracker and the planner's fake counter share."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from batchpilot.memory.tracker import StorageLedger
+
+
+def test_a_storage_counts_once_resizes_by_the_difference_and_leaves_when_it_dies():
+    released = []
+    ledger = StorageLedger(on_release=lambda key, nbytes: released.append((key, nbytes)))
+    a = torch.empty(100)  # 400 bytes
+    st = a.untyped_storage()
+    assert ledger.charge(st, st.nbytes()) == 400
+    assert ledger.charge(a[10:].untyped_storage(), 400) == 0  # a view: the same storage
+    assert (ledger.live, ledger.peak, ledger.size(id(st))) == (400, 0, 400)  # the peak waits for bump_peak
+    assert ledger.bump_peak() and not ledger.bump_peak() and ledger.peak == 400
+    st.resize_(800)
+    assert ledger.charge(st, st.nbytes()) == 400 and ledger.live == 800
+    key = id(st)
+    del a, st
+    gc.collect()
+    assert (ledger.live, ledger.size(key), released) == (0, None, [(key, 800)])
+    assert ledger.peak == 400  # not bumped since the resize
+    ledger.reset_peak()
+    assert ledger.peak == 0
+
+
+def test_host_data_is_charged_by_the_widest_view_then_forgotten():
+    ledger = StorageLedger()
+    data = torch.zeros(1000)  # 4000 bytes of a dataset
+    st = data.untyped_storage()
+    ledger.charge_view(st, data[:10])
+    assert (ledger.live, ledger.is_partial(id(st))) == (40, True)
+    ledger.charge_view(st, data[:5])  # a narrower view changes nothing
+    ledger.charge_view(st, data[:100])
+    assert ledger.live == 400
+    assert ledger.forget_partial() == 400 and ledger.live == 0 and ledger.size(id(st)) is None
+    ledger.charge_view(st, data)  # read whole: charged whole, no longer partial
+    assert (ledger.live, ledger.is_partial(id(st))) == (4000, False)
+    ledger.charge_view(st, data[:1])  # a storage charged whole stays as it is
+    assert ledger.forget_partial() == 0 and ledger.live == 4000
