@@ -29,7 +29,7 @@ venv: $(BIN)/.installed
 train: venv
 	$(BIN)/batchpilot train $(ARGS)
 
-# pytest-xdist, one worker per core. --dist load keeps each test file on one worker, so a
+# pytest-xdist, one worker per core. --dist loadfile keeps each test file on one worker, so a
 # module-scoped fixture (one torchrun launch for a file's tests) runs once. JOBS=0: one process.
 JOBS ?= auto
 XDIST = -n $(JOBS) --dist loadfile

@@ -35,7 +35,7 @@ __all__ = ["find_batch_size_for"]
 
 logger = logging.getLogger(__name__)
 
-#: find_batch_size_for's objective by mode (README: "Fastest, not largest")
+#: find_batch_size_for's objective by mode (docs/speed.md)
 _DEFAULT_OBJECTIVE = {"train": "memory", "eval": "throughput"}
 
 

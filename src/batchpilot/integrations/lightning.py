@@ -9,7 +9,7 @@
   :meth:`batchpilot.Engine.step` under manual optimization: an OOM drops the partial gradients,
   shrinks the micro-batch and retries the same batch, so no step is lost.
 
-What Lightning does not allow, and why, is in the README's Lightning section.
+What Lightning does not allow, and why, is in docs/integrations.md (Lightning).
 """
 
 from __future__ import annotations
