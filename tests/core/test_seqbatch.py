@@ -1,11 +1,13 @@
-"""Each sample's real length (batchpilot.core.seqbatch.sample_lengths): from the mask, or from labels -100."""
+"""The sequence dimension of a batch (batchpilot.core.seqbatch): the padded length, each sample's real length
+(from the mask, or from labels -100)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchpilot.core.seqbatch import IGNORE_INDEX, sample_lengths
+from batchpilot.core.batch import BatchSplitter
+from batchpilot.core.seqbatch import IGNORE_INDEX, padded_length, sample_lengths
 
 
 def _ids(width: int, n: int = 3) -> torch.Tensor:
@@ -42,3 +44,18 @@ def test_the_attention_mask_wins_over_the_labels() -> None:
 def test_a_batch_with_neither_is_refused_naming_both(batch) -> None:
     with pytest.raises(ValueError, match="attention_mask, or \\(batch, length\\) labels with -100 at the pads"):
         sample_lengths(batch)
+
+
+def test_length_fn_reads_the_users_batch_also_when_given_the_engines_splitter() -> None:
+    # the engine's sizer passes its BatchSplitter; a list of per-sample token tensors has no seq dim to
+    # read, so length_fn is the way, and it is written for the batch the user has
+    batch = [torch.ones(n, dtype=torch.long) for n in (3, 7, 5)]
+    seen = []
+
+    def longest(b):
+        seen.append(type(b))
+        return max(len(t) for t in b)
+
+    assert padded_length(BatchSplitter(batch), length_fn=longest) == 7
+    assert padded_length(batch, length_fn=longest) == 7
+    assert seen == [list, list]

@@ -42,7 +42,9 @@ def padded_length(batch: Any, *, seq_dim: int | None = None, length_fn: LengthFn
             shapes); neither is given and the batch is not a dict with an ``attention_mask``.
     """
     if length_fn is not None:
-        return positive_int("length_fn(batch)", length_fn(batch))
+        # the user's function reads the user's batch, never the engine's splitter around it
+        raw = batch.batch if isinstance(batch, BatchSplitter) else batch
+        return positive_int("length_fn(batch)", length_fn(raw))
     if seq_dim is not None:
         check_int("seq_dim", seq_dim, minimum=1, hint=" (dim 0 is the batch)")
         split = batch if isinstance(batch, BatchSplitter) else BatchSplitter(batch, layout)
