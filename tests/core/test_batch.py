@@ -101,3 +101,19 @@ def test_make_batch_fn_repeats_every_per_sample_part():
     assert out["input_ids"].shape == (5, 5) and out["names"] == ["doc0", "doc1", "doc2", "doc0", "doc1"]
     assert out["positions"] is batch["positions"] and out["epoch"] == 3
     assert out["input_ids"].untyped_storage().nbytes() == 5 * 5 * 8  # owns exactly b rows
+
+
+def test_narrow_reads_a_slice_of_per_sample_tensors_as_the_whole_batch_was_read():
+    # a list of per-sample token tensors; a slice of one sample, or of samples of one length, read
+    # afresh is a list of tensors whose dim 0 (the tokens) looks like the batch
+    batch = [torch.arange(9), torch.arange(5), torch.arange(5) + 10]
+    split = BatchSplitter(batch)
+    assert split.size == 3
+    one = split.narrow(0, 1)
+    assert one.size == 1 and len(one.batch) == 1 and torch.equal(one.slice(0, 1)[0], batch[0])
+    equal = split.narrow(1, 2)
+    assert equal.size == 2 and [t.tolist() for t in equal.slice(1, 1)] == [batch[2].tolist()]
+    # rows, per-sample names and passed-through values keep their kinds
+    d = BatchSplitter({"x": torch.arange(12).view(6, 2), "names": list("abcdef"), "k": 3}).narrow(2, 3)
+    assert d.size == 3 and d.batch["names"] == ["c", "d", "e"] and d.batch["k"] == 3
+    assert d.slice(1, 2)["x"].tolist() == [[6, 7], [8, 9]]

@@ -150,6 +150,16 @@ def _rebuild(node: Any, leaf: Callable[[str, Any], Any]) -> Any:
     return leaf(tag, node[1])
 
 
+def _map_leaves(node: Any, leaf: Callable[[str, Any], Any]) -> Any:
+    """The tree with each leaf's value replaced by ``leaf(kind, value)``, every kind kept."""
+    tag = node[0]
+    if tag == "dict":
+        return ("dict", node[1], {k: _map_leaves(v, leaf) for k, v in node[2].items()})
+    if tag == "seq_struct":
+        return ("seq_struct", node[1], [_map_leaves(v, leaf) for v in node[2]])
+    return (tag, leaf(tag, node[1]))
+
+
 def _ambiguous(sizes: list[tuple[str, int, str]]) -> str:
     parts = ", ".join(f"{path or 'batch'}: {what}" for path, _, what in sizes)
     return (
@@ -213,6 +223,29 @@ class BatchSplitter:
             return value if device is None else to_device(value, device)
 
         return _rebuild(self.tree, leaf)
+
+    def narrow(self, start: int, length: int) -> BatchSplitter:
+        """A splitter over samples ``start .. start+length`` that reads them as this one does.
+
+        Reading the slice afresh can read it otherwise: a list of per-sample token tensors whose
+        slice holds tensors of one length (one sample, or equal lengths) reads as a list of tensors
+        whose dim 0, the tokens, is the batch. With a ``split_fn`` the slice is read by the rules.
+        """
+        if self.layout.split_fn is not None:
+            return BatchSplitter(self.slice(start, length), self.layout)
+
+        def leaf(kind: str, value: Any) -> Any:
+            if kind == _ROWS:
+                return value.narrow(0, start, length)
+            if kind == _SEQ:
+                return value[start:start + length]
+            return value
+
+        out = object.__new__(BatchSplitter)
+        out.layout, out.size = self.layout, length
+        out.tree = _map_leaves(self.tree, leaf)
+        out.batch = _rebuild(out.tree, lambda kind, value: value)
+        return out
 
     def repeat_rows(self, b: int) -> Any:
         """A batch of ``b`` samples: rows ``0, 1, …, b-1`` modulo the size, each part its own copy.

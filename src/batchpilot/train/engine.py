@@ -886,7 +886,7 @@ class Engine:
         def trial(b: int, rounds: int = 1) -> None:
             # the module inside a DDP wrapper: no hook, no all-reduce, so ranks may run different
             # trials (a trial through the wrapper would synchronise with whatever the others run)
-            sub = BatchSplitter(split.slice(0, b), self.layout)
+            sub = split.narrow(0, b)
             for r in range(rounds):
                 self._accumulate(sub, b, use_scaler=False, model=inner, sync=r == rounds - 1)
             self.optimizer.step()
@@ -1073,7 +1073,7 @@ class Engine:
         count = accum_steps(split.size, micro)  # the replay runs as many micro-batches, of one sample
         return self.coordinator.attempt(
             lambda: self._accumulate(split, micro),
-            lambda: self._accumulate(BatchSplitter(split.slice(0, count), self.layout), 1),
+            lambda: self._accumulate(split.narrow(0, count), 1),
             device=self.device, on_oom=self._drop_grads, micro_batch_size=micro, step=self.steps + 1,
         )
 
