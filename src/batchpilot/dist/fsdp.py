@@ -532,8 +532,9 @@ def find_batch_size_fsdp(
         restore: as for :func:`~batchpilot.find.finder.find_batch_size`; the sharded model is taken from
             here when ``coordinator`` is not bound yet.
         coordinator: an :class:`FSDPCoordinator`; default a new one on the default group.
-        replay: ``replay(batch_size)`` running the collectives of a trial at ``batch_size`` with
-            one sample; default ``step(min_batch_size)`` ``steps_per_trial`` times.
+        replay: ``replay(batch_size)`` running the collectives of one step of a trial at
+            ``batch_size`` with one sample; it runs ``steps_per_trial`` times, as the trial's step
+            does. Default ``step(min_batch_size)``.
         **options: any other keyword of :func:`~batchpilot.find.finder.find_batch_size`.
 
     Raises:
@@ -550,11 +551,14 @@ def find_batch_size_fsdp(
         coord.bind(models[0])
     steps = int(options.get("steps_per_trial", 2))
     smallest = int(options.get("min_batch_size", 1))
-    if replay is None:
-        def replay(_batch_size: int) -> None:
-            for _ in range(steps):
-                step(smallest)
-    lockstep = _Lockstep(coord, replay, resolve_device(options.get("device")))
+    one_step = replay if replay is not None else (lambda _batch_size: step(smallest))
+
+    def replay_trial(batch_size: int) -> None:
+        # every step of the trial: the peers ran them all, whichever step this rank ran out in
+        for _ in range(steps):
+            one_step(batch_size)
+
+    lockstep = _Lockstep(coord, replay_trial, resolve_device(options.get("device")))
     try:
         plan = find_batch_size(step, restore=items, lockstep=lockstep, **options)
     except Exception as exc:
