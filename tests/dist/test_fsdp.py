@@ -119,6 +119,17 @@ def test_reset_fsdp_state_drops_unsynced_gradients(one_rank):
     assert all(p.grad is None for p in unsharded)
 
 
+def test_reset_fsdp_state_before_the_first_forward_is_a_no_op(one_rank):
+    # an OOM before the sharded model ever ran (a loss_fn preparing its inputs, a finder's first
+    # trial) recovers through this; FSDP's lazy init has not built what reset_iter_state() clears
+    model = shard_model(fc.build(), mesh=one_rank)
+    before = [p.detach().clone() for p in model.parameters()]
+    reset_fsdp_state(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    fc.ce_loss(model, fc.global_batch(0)).backward()  # and the model trains afterwards
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_engine_refuses_coordinators_and_fp16_that_cannot_run_fsdp(one_rank):
     model = shard_model(fc.build(), mesh=one_rank)
     opt = fc.make_optimizer(model.parameters())

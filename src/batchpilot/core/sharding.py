@@ -120,7 +120,10 @@ def reset_fsdp_state(model: nn.Module) -> None:
     dropped too, so the retry accumulates from nothing. No collective runs.
     """
     for root in fsdp_roots(model):
-        root.reset_iter_state()
+        # before the first forward FSDP has not lazily initialised (it decides the root there):
+        # nothing ran, nothing to reset, and reset_iter_state() would raise AttributeError
+        if root._get_fsdp_state()._is_root is not None:
+            root.reset_iter_state()
     for group in _param_groups(model):
         for p in group.fsdp_params:
             # gradients of no-sync micro-batches, waiting for the next reduce-scatter
