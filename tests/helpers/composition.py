@@ -200,33 +200,6 @@ def by_design_refusal(cell: Cell) -> str | None:
     return None
 
 
-#: cells known to fail today, fixed on other branches; the test marks them xfail(strict=True), so they
-#: turn into failures when the fixes land and the marks are to go
-KNOWN = {
-    "plan_seq_dim": "fixed on branch lengths-combos: (1) a LengthPlan's seq_dim=1 is dropped (make_sizer reads "
-                    "the attention_mask instead), so a batch without one cannot be sized",
-    "split_labels": "fixed on branch lengths-combos: (2) split=True refuses padding marked only by labels -100",
-    "fp64_noise": "fixed on branch noise-defaults: (3) the noise meter norms float64 gradients with dtype=float32 "
-                  "(linalg.vector_norm raises)",
-    "noise_mode": "fixed on branch noise-defaults: (4) NoiseConfig(...) under a schedule silently switches the mode "
-                  "from the one noise=True runs there",
-}
-
-
-def known_failure(cell: Cell) -> str | None:
-    """Why ``cell`` fails today (one of :data:`KNOWN`), or ``None``."""
-    parts = cell.parts
-    if "lengths_plan" in parts and cell.layout in ("tuple", "dict_labels"):
-        return KNOWN["plan_seq_dim"]
-    if "split" in parts and cell.layout == "dict_labels" and cell.launch != "fsdp":
-        return KNOWN["split_labels"]
-    if cell.dtype == "fp64" and parts & {"noise", "schedule", "schedule_cfg"}:
-        return KNOWN["fp64_noise"]
-    if "schedule_cfg" in parts:
-        return KNOWN["noise_mode"]
-    return None
-
-
 def _cross(options: tuple[str, ...], layouts: tuple[str, ...], dtypes: tuple[str, ...], launch: str) -> list[Cell]:
     return [Cell(o, l, d, launch) for o in options for l in layouts for d in dtypes]
 

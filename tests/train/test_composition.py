@@ -5,10 +5,6 @@ PyTorch step on the whole global batch from the same weights, or refuses before 
 ran, the parameters untouched) with the error that says what to do. The 2-rank cells (DDP, FSDP2)
 share one torchrun launch (tests/helpers/composition_worker.py) and are judged by what each rank
 wrote, not by the launch's exit code (torch 2.13's gloo can abort a finished rank at exit).
-
-Cells that fail today for a reason being fixed on another branch are marked
-``xfail(strict=True)`` with that reason (:data:`composition.KNOWN`): they turn into failures once
-the fix lands, and the mark is to go.
 """
 
 from __future__ import annotations
@@ -25,12 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _params(cells: list[cm.Cell]) -> list:
-    out = []
-    for cell in cells:
-        reason = cm.known_failure(cell)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        out.append(pytest.param(cell, id=cell.id, marks=marks))
-    return out
+    return [pytest.param(cell, id=cell.id) for cell in cells]
 
 
 @pytest.mark.parametrize("cell", _params(cm.one_process_cells()))
