@@ -516,8 +516,7 @@ class PredictPolicy(SearchPolicy):
     bytes at any size and puts it in the space. Real memory is then sized through it: a
     calibration trial where the tensors grow by a tenth of the room (more in a small one; unless
     two trials already differ by a twentieth of it) gives the real bytes per modelled tensor byte,
-    and the next trial
-    is the size the calibrated model puts just under the limit. A failure the model did not
+    and the next trial is the size the calibrated model puts just under the limit. A failure the model did not
     foresee (an OOM) hands the rest of the search to the line above; a space without a model
     (timelines that do not align, a model a trial contradicted) is searched the same way.
 
