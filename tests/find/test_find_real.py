@@ -37,7 +37,10 @@ def run(*args: str, malloc: str = "default", cgroup=None) -> dict:
     ("cnn", "default", 0.99), ("transformer", "fixed", 0.99), ("mlp", "default", 0.8), ("cnn", "fixed", 0.8),
 ])
 def test_under_rlimit_as_the_answer_trains_in_the_process_that_asked(model, malloc, target):
-    out = run(model, "rlimit", "128", str(target), malloc=malloc)
+    # 256 MiB of room: real memory moves by 1-2 MB from one trial to the next here (heap, JIT code),
+    # which in a 128 MiB room is most of the 2% tolerance and took the transformer at 0.99 a
+    # refinement and a rerun (6 trials) in 1 of 15 runs; at 256 MiB 20 of 20 runs passed
+    out = run(model, "rlimit", "256", str(target), malloc=malloc)
     assert out["memory"] == "address_space" and out["binding"] == "rlimit_as", out
     assert out["trained"] == 10, out  # ten training steps at the answer, after the search, in its process
     assert len(out["trials"]) <= 5, out
