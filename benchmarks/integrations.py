@@ -132,6 +132,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             try:
                 super().on_fit_start(trainer, pl_module)
+                timing["searched"] = True  # the fit goes on from here: the training after the search
             finally:
                 timing["seconds"] = time.perf_counter() - t0
 
@@ -143,6 +144,12 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         # the fit goes on at the answer after the search: it must train, in the process that searched
         fit([callback], peers.AFTER_STEPS)
+    except BaseException as exc:  # reported as the row's outcome, never hidden
+        if timing.get("searched"):
+            train_error = peers._crashed(exc)  # the search answered; the training at its answer failed
+        else:
+            outcome = peers._crashed(exc)
+    if timing.get("searched"):
         if method.startswith("lightning"):
             found = callback.optimal_batch_size
         else:
@@ -151,13 +158,7 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
             for t in setup.plan.trials:
                 real = t.outcome == "oom" and "DefaultCPUAllocator" in (t.message or "")
                 runs.append([t.batch_size, "oom" if real else ("emulated_oom" if t.outcome == "oom" else "ok")])
-    except BaseException as exc:  # reported as the row's outcome, never hidden
-        if "seconds" in timing and trainers[-1].global_step < peers.AFTER_STEPS:  # the search ended: the fit failed
-            train_error = peers._crashed(exc)
-            found = callback.optimal_batch_size if method.startswith("lightning") else callback.setup.found_batch_size
-        else:
-            outcome = peers._crashed(exc)
-    trained = trainers[-1].global_step if "seconds" in timing else None
+    trained = trainers[-1].global_step if timing.get("searched") else None
     return {"found": found, "runs": runs, "seconds": timing.get("seconds"), "outcome": outcome,
             "trained": trained, "train_error": train_error}
 
