@@ -21,6 +21,7 @@ OOM_CASES = [
     (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                   "you tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)"), True),
     (RuntimeError("posix_memalign failed:Cannot allocate memory (12)"), True),
+    (RuntimeError("std::bad_alloc"), True),
     (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
                   "non-contiguous input."), True),
     (RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB"), True),

@@ -29,12 +29,16 @@ from ..memory.oom import attempt, free_memory
 from ..train.batching import scale_lr
 from ..train.engine import Engine, EngineConfig, StepResult
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
+from .continuous import ContinuousBatchingPlan, continuous_batching_config, size_continuous_batching
 
 require("transformers", "batchpilot.integrations.transformers")
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-__all__ = ["configure_batch_size", "ResilientTrainerMixin", "ResilientTrainer", "hf_loss"]
+__all__ = [
+    "configure_batch_size", "ResilientTrainerMixin", "ResilientTrainer", "hf_loss",
+    "continuous_batching_config", "size_continuous_batching", "ContinuousBatchingPlan",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,9 @@ _OOM_MESSAGES = (
     "defaultcpuallocator: can't allocate memory",
     # CPU: NNPACK's scratch allocation fails this way under the same limits
     "posix_memalign failed:cannot allocate memory",
+    # CPU: C++'s operator new failing inside an operator (a container of a kernel under RLIMIT_AS), which
+    # pybind11 and c10 re-raise as a RuntimeError with what() as the whole message
+    "std::bad_alloc",
     # CUDA on torch builds that still raise RuntimeError rather than OutOfMemoryError
     "cuda out of memory",
     _CUDNN_WORKSPACE,
@@ -426,7 +429,7 @@ def parse_oom_message(message: str) -> OOMReport | None:
     """Read the figures out of an out-of-memory message; ``None`` if it is not one.
 
     Every message :func:`is_oom` recognises gives a report (with no figures for those
-    that state none: cuDNN's workspace error, NNPACK's ``posix_memalign``), and so do
+    that state none: cuDNN's workspace error, NNPACK's ``posix_memalign``, ``std::bad_alloc``), and so do
     the CPU allocator's Windows/Android wording and cudaMallocAsync's message. A number
     that does not read as a size leaves its field ``None``; parsing never raises.
     Pure: no torch, no device.
@@ -469,8 +472,8 @@ def parse_oom_message(message: str) -> OOMReport | None:
         backend, device = "cpu", "cpu"
         m = re.search(r"you tried to allocate (\d+) bytes", text)
         figures = {"requested_bytes": _exact(m.group(1) if m else None)}
-    elif "posix_memalign failed:cannot allocate memory" in low:
-        backend, device = "cpu", "cpu"  # NNPACK's workspace: no size stated
+    elif "posix_memalign failed:cannot allocate memory" in low or "std::bad_alloc" in low:
+        backend, device = "cpu", "cpu"  # NNPACK's workspace, C++'s operator new: no size stated
     elif _CUDNN_WORKSPACE in low:
         backend = "cuda"  # cuDNN's workspace: no figures
     if backend is None:
