@@ -538,3 +538,23 @@ def test_lengths_quick_prints_the_three_arms(tmp_path):
     assert arms["by length"]["micro_batches"] < arms["fixed"]["micro_batches"]
     assert arms["by length"]["use"] >= 0.8 > arms["fixed"]["use"]
     assert arms["by length + split"]["mean_tokens"] < arms["by length"]["mean_tokens"]  # trimmed padding
+
+
+def test_continuous_batching_table_compares_with_the_best_hand_tuned_budget():
+    import continuous_batching as cb
+
+    p = dict(cb.QUICK, requests=4)
+    out = [[1, 2], [3], [4, 5], [6]]
+    def rec(arm, seconds, **kw):
+        return dict(dict(arm=arm, seconds=seconds, completed=4 if seconds else 0, outputs=out if seconds else None,
+                         sizing_seconds=0.0), **kw)
+
+    records = [rec("reference", 1.0), rec("transformers defaults", None, note="out of memory"),
+               rec("hand-tuned 20 MB", 2.0), rec("hand-tuned 40 MB", 1.0),
+               rec("batchpilot", 1.0 / 0.95, sizing_seconds=1.0)]
+    rows, verdict = cb.table(records, p)
+    assert verdict["best_hand_tuned_req_s"] == 4.0 and abs(verdict["batchpilot_ratio"] - 0.95) < 1e-9
+    assert verdict["goal_met"]
+    assert [r[-2] for r in rows] == ["(reference)", "no", "yes", "yes", "yes"]
+    records[-1]["outputs"] = [[1, 2], [3], [4, 5], [7]]  # one request's tokens differ: not the same outputs
+    assert not cb.table(records, p)[1]["goal_met"]
