@@ -678,3 +678,61 @@ def test_plan_world_size_without_fsdp_is_a_usage_error(cli):
     assert status == 2 and "--world-size 8 needs --fsdp" in err and "Traceback" not in err
     status, out, err = cli("plan", "--model", "mlp", "--gpu", "H100-80GB", "--fsdp", "--world-size", "0")
     assert status == 2 and "must be at least 1" in err
+
+
+_LM_FACTORY = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def tiny():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
+"""
+
+
+def test_plan_generate_gives_a_table_per_prompt_length_and_new_tokens(cli, tmp_path):
+    pytest.importorskip("transformers")
+    from batchpilot.plan.generation import plan_generation
+
+    factory = tmp_path / "lm.py"
+    factory.write_text(_LM_FACTORY)
+    args = ("plan", "--model", f"{factory}:tiny", "--capacity", "8MiB", "--prompt-lens", "32,256",
+            "--new-tokens", "16,128")
+    status, out, err = cli(*args, "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert set(doc) == report.SCHEMAS["plan"] and set(doc["generation"]) == report.SCHEMAS["plan.generation"]
+    rows = doc["generation"]["rows"]
+    assert all(set(r) == report.SCHEMAS["plan.generation.row"] for r in rows)
+    assert [(r["prompt_length"], r["new_tokens"]) for r in rows] == [(32, 16), (32, 128), (256, 16), (256, 128)]
+    # the library's answer, row by row; the document's batch is the one that fits every row
+    lib = plan_generation(_load(factory).tiny(), prompt_lengths=[32, 256], new_tokens=[16, 128], capacity="8MiB")
+    assert {(r["prompt_length"], r["new_tokens"]): r["batch_size"] for r in rows} == lib.table
+    assert doc["batch_size"] == min(lib.table.values())
+    assert doc["estimate"]["required_bytes"] <= doc["limit_bytes"] < doc["next_required_bytes"]
+    status, out, err = cli(*args)
+    assert status == 0 and "generate(): the largest batch of prompts" in out and "for every row of the table" in out
+    plain = json.loads(cli("plan", "--model", "mlp", "--capacity", "16MiB", "--json")[1])
+    assert plain["generation"] is None  # without the options the document is as before, the new key null
+
+
+def _load(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm_factory_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--prompt-lens", "32"), "--prompt-lens and --new-tokens go together"),
+    (("--prompt-lens", "32", "--new-tokens", "8", "--model", "transformer"), "must name a factory"),
+    (("--prompt-lens", "32", "--new-tokens", "8", "--seq-lens", "8,16"), "--seq-lens cannot go with --prompt-lens"),
+    (("--prompt-lens", "0", "--new-tokens", "8"), "must be at least 1"),
+])
+def test_plan_generate_usage_errors(cli, extra, message):
+    args = ["plan", "--capacity", "1GiB", *extra]
+    if "--model" not in extra:
+        args += ["--model", "x.py:f"]
+    status, out, err = cli(*args)
+    assert status == 2 and message in err and "Traceback" not in err, err

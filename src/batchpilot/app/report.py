@@ -153,7 +153,8 @@ __all__ = [
 #: ``samples_per_second``, ``time_fit`` and per-trial ``step_seconds`` / ``samples_per_second`` /
 #: ``alloc_retries``; ``train`` gained ``split``, per-step ``micro_batch_reason`` and per-change ``reason``;
 #: ``find`` gained ``verified``, ``base_bytes`` and per-trial ``end_bytes``, and ``memory`` on a real
-#: CPU names the binding limit's figure (``"address_space"``, ``"cgroup"`` or ``"resident"``).
+#: CPU names the binding limit's figure (``"address_space"``, ``"cgroup"`` or ``"resident"``);
+#: ``plan`` gained ``generation`` (generate()'s table with ``--prompt-lens`` / ``--new-tokens``, else null).
 SCHEMA_VERSION = 2
 
 _PLAN_KEYS = frozenset({
@@ -172,8 +173,12 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "find": _JOB_KEYS | _PLAN_KEYS | _LENGTH_KEYS | {"device"},
     "plan": _JOB_KEYS | _LENGTH_KEYS | {
         "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "estimate",
-        "next_required_bytes", "evaluations", "seconds", "world_size", "sharding",
+        "next_required_bytes", "evaluations", "seconds", "world_size", "sharding", "generation",
     },
+    #: ``--prompt-lens`` / ``--new-tokens``: generate()'s table (null without them)
+    "plan.generation": frozenset({"prompt_lengths", "new_tokens", "rows", "seconds"}),
+    "plan.generation.row": frozenset({"prompt_length", "new_tokens", "batch_size", "limited_by",
+                                      "prefill_batch_size", "decode_batch_size"}),
     "plan.estimate": frozenset({
         "peak_bytes", "parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations",
         "unsharded_parameters", "communication", "allocated_bytes", "reserved_bytes", "context_bytes",

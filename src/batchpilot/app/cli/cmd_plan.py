@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ...memory.units import format_bytes
+from ...plan.generation import GenerationPlanResult, plan_generation
 from ...plan.gpus import GPUS, gpu_spec
 from ...plan.lengths import LengthPlanResult, plan_per_length
 from ...plan.planner import plan_batch_size
@@ -15,7 +16,7 @@ from ...policy.search import NothingFitsError
 from .. import report
 from ..trainjob import make_optimizer
 from .common import (
-    UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, positive_int,
+    UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, lengths, positive_int,
 )
 from .workload import Workload
 
@@ -36,7 +37,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     "caching allocator, cuBLAS workspaces and the CUDA context.",
         epilog=f"Known GPUs: {', '.join(GPUS)}. With --fsdp --world-size N the plan is one rank's of N "
                "sharding the model with FSDP2 (each block, then the root), on a fake process group: no "
-               "other process and no GPU is needed.",
+               "other process and no GPU is needed. With --prompt-lens and --new-tokens the plan is of "
+               "generate() (greedy, a KV cache growing to prompt + new tokens): the largest batch of prompts "
+               "for every pair, from the prefill and the last decoding step on fake tensors.",
     )
     add_model_options(p)
     where = p.add_argument_group("capacity (one of)")
@@ -49,6 +52,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "workspaces, context). Default: cuda with --gpu, else cpu")
     add_fit_options(p)
     add_length_options(p)
+    gen = p.add_argument_group("generation (generate() of a causal LM with a KV cache)")
+    gen.add_argument("--prompt-lens", metavar="P1,P2,...", type=lengths, default=None,
+                     help="plan model.generate for prompts of these lengths (with --new-tokens): a table of the "
+                          "largest batch per (prompt length, new tokens). --model must be a factory returning a "
+                          "Hugging Face causal LM; it is built on the meta device (no memory for the weights)")
+    gen.add_argument("--new-tokens", metavar="N1,N2,...", type=lengths, default=None,
+                     help="max_new_tokens to plan generate for (with --prompt-lens)")
     shard = p.add_argument_group("sharding")
     shard.add_argument("--fsdp", action="store_true",
                        help="shard the model with FSDP2 (fully_shard each block, then the root) and plan one rank")
@@ -62,11 +72,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def plan_document(workload: Workload, result: PlanResult, lengths: LengthPlanResult | None = None) -> dict[str, Any]:
-    """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`); with ``lengths``, at the longest."""
+def plan_document(workload: Workload, result: PlanResult, lengths: LengthPlanResult | None = None,
+                  generation: GenerationPlanResult | None = None) -> dict[str, Any]:
+    """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`); with ``lengths``, at the longest;
+    with ``generation``, the table per (prompt length, new tokens), and the rest for its smallest batch."""
     est = result.estimate
     return {
         **report.length_record(lengths),
+        "generation": None if generation is None else generation.to_dict(),
         "schema_version": report.SCHEMA_VERSION,
         "command": "plan",
         **workload.describe(),
@@ -113,7 +126,13 @@ def _human(doc: dict[str, Any]) -> str:
                      ("required (reserved + context)", format_bytes(est["required_bytes"]))]
         lines.append(report.format_table(("part", "memory"), rows))
     per = f" per rank, {doc['batch_size'] * doc['world_size']} over {doc['world_size']} ranks" if sharded else ""
-    if doc["per_length"] is not None:
+    if doc["generation"] is not None:
+        rows = [(r["prompt_length"], r["new_tokens"], r["batch_size"], r["limited_by"], r["prefill_batch_size"],
+                 r["decode_batch_size"]) for r in doc["generation"]["rows"]]
+        lines += ["", "generate(): the largest batch of prompts per (prompt length, new tokens)",
+                  report.format_table(("prompt", "new tokens", "batch", "limited by", "prefill", "last step"), rows)]
+        per += " for every row of the table"
+    elif doc["per_length"] is not None:
         lines += ["", report.lengths_table(doc)]
         per += f" at the longest length, {doc['input_shape'][0]}"
     lines += [
@@ -137,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size > 1 and not args.fsdp:
         raise UsageError(f"--world-size {args.world_size} needs --fsdp: a data-parallel (DDP) rank holds the whole "
                          "model, so its plan is the one without --world-size")
+    generating = _generation_args(args)
+    if generating:
+        return _run_generation(args, workload)
     if args.seq_lens is not None:
         workload = workload.at_lengths(args.seq_lens)
     model = workload.build_model()
@@ -165,9 +187,59 @@ def run(args: argparse.Namespace) -> int:
             f"({result.target:.0%} of {format_bytes(result.capacity)})",
             batch_size=1, peak_bytes=need, limit_bytes=result.limit, capacity_bytes=result.capacity,
         )
+    return _print(args, doc)
+
+
+def _print(args: argparse.Namespace, doc: dict[str, Any]) -> int:
     if args.json:
         print(report.to_json(doc))
     else:
         print(_human(doc))
     sys.stdout.flush()
     return 0
+
+
+def _generation_args(args: argparse.Namespace) -> bool:
+    """Whether generation is planned; the options it cannot go with are refused."""
+    if (args.prompt_lens is None) != (args.new_tokens is None):
+        raise UsageError("--prompt-lens and --new-tokens go together: the table has one row per pair")
+    if args.prompt_lens is None:
+        return False
+    clash = [flag for flag, on in (("--seq-lens", args.seq_lens is not None), ("--fsdp", args.fsdp),
+                                   ("--amp", args.amp is not None)) if on]
+    if clash:
+        raise UsageError(f"{', '.join(clash)} cannot go with --prompt-lens: generate() runs the model unsharded, in "
+                         "the dtype the factory gives it")
+    if args.model in (None, "mlp", "cnn", "transformer"):
+        raise UsageError("--prompt-lens plans generate(): --model must name a factory returning a Hugging Face "
+                         "causal LM (MODULE:FUNCTION or path/to/file.py:FUNCTION)")
+    return True
+
+
+def _run_generation(args: argparse.Namespace, workload: Workload) -> int:
+    import dataclasses
+
+    import torch
+
+    workload = dataclasses.replace(workload, input_shape=(max(args.prompt_lens),))
+    with torch.device("meta"):  # shapes only: a model larger than this machine's memory plans all the same
+        model = workload.build_model()
+    try:
+        gen = plan_generation(
+            model, prompt_lengths=args.prompt_lens, new_tokens=args.new_tokens, capacity=args.gpu or args.capacity,
+            target=args.target, device=args.device, max_batch_size=args.max_batch_size or 1 << 20)
+    except PlanningError as exc:
+        raise UsageError(f"cannot plan generate() for this model on fake tensors: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    result = gen.limiting
+    doc = plan_document(workload, result, generation=gen)
+    doc["seconds"] = gen.seconds
+    if result.batch_size == 0:
+        need = result.evaluations.get(1)
+        raise NothingFitsError(
+            f"nothing fits: generating for one prompt needs {format_bytes(need or 0)}, over the limit "
+            f"{format_bytes(result.limit)} ({result.target:.0%} of {format_bytes(result.capacity)})",
+            batch_size=1, peak_bytes=need, limit_bytes=result.limit, capacity_bytes=result.capacity,
+        )
+    return _print(args, doc)

@@ -20,6 +20,7 @@ __all__ = [
     "positive_float",
     "byte_size",
     "shape",
+    "lengths",
     "add_model_options",
     "add_fit_options",
     "add_verbose",
@@ -117,6 +118,17 @@ def seq_lens(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"give two or more distinct lengths (e.g. 128,512), got {text!r}: one length cannot separate the "
             "per-token cost from the attention's L^2 cost")
+    return tuple(values)
+
+
+def lengths(text: str) -> tuple[int, ...]:
+    """argparse type: one or more positive whole numbers such as ``128,512``."""
+    try:
+        values = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 128,512, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every number must be at least 1, got {text!r}")
     return tuple(values)
 
 
