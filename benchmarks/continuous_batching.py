@@ -111,6 +111,7 @@ def run_arm(arm: str, p: dict[str, Any], out_path: str) -> None:
             rec["sizing_seconds"] = time.perf_counter() - began
             cfg = plan.config
             rec["budget"] = plan.predicted_bytes
+            rec["runs"] = plan.runs
             rec["note"] = f"{len(plan.runs)} sizing runs; limit {plan.limit_bytes / 2**20:.0f} MiB"
         elif arm.startswith("hand-tuned") or arm == "reference":
             mb = REFERENCE_BUDGET_MB if arm == "reference" else int(arm.split()[1])

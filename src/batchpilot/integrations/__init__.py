@@ -6,6 +6,8 @@ Each integration is its own module and imports only its own framework, on first 
   (any number of DDP ranks) and ``ResilientModule`` trains through OOMs under manual optimization;
 - :mod:`batchpilot.integrations.transformers`: ``plan_batch_size`` fills ``TrainingArguments``
   before the ``Trainer`` is built, and ``ResilientTrainer`` survives OOMs in training and evaluation;
+  ``continuous_batching_config`` sizes ``generate_batch``'s paged cache for the memory limit that
+  applies (:mod:`batchpilot.integrations.continuous`);
 - :mod:`batchpilot.integrations.accelerate`: a drop-in ``find_executable_batch_size`` with the
   finder's search and agreement between ranks.
 

@@ -10,6 +10,9 @@
   :class:`batchpilot.Engine`: an OOM drops the partial gradients and re-splits the same batch into
   smaller micro-batches. No loop restart: ``global_step``, the LR schedule and the data order are
   those of the run without the OOM. An OOM during evaluation shrinks the evaluation batch only.
+- :func:`continuous_batching_config` (from :mod:`batchpilot.integrations.continuous`) sizes the paged
+  KV cache of ``model.generate_batch`` for the memory limit that binds the process, verified by a
+  real run in it.
 """
 
 from __future__ import annotations
