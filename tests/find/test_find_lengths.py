@@ -80,7 +80,7 @@ def test_a_model_error_at_a_length_keeps_its_type_and_names_the_batch_size_and_l
 
 
 def test_the_length_note_advises_a_shorter_length_only_when_the_length_may_be_the_cause() -> None:
-    from batchpilot.find.lengths import length_note
+    from batchpilot.find.notes import length_note
 
     plain = "batchpilot: in the search at sequence length 32"
     assert length_note(32, [64], own=True) == plain  # 64 ran: 32 is not too long for the model

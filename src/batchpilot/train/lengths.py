@@ -25,14 +25,14 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from .._checks import add_note, check_int
+from .._checks import check_int
 from ..core.batch import BatchSplitter, to_device
 from ..core.ranks import group_size
 from ..core.seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
-from ..find.lengths import LengthPlan, length_note
+from ..find.lengths import LengthPlan
+from ..find.notes import note_length_search
 from ..memory.units import format_bytes
 from ..policy.lengths import LengthBudget, UnverifiedLengthError, fit_lengths, split_into
-from ..policy.search import BatchSizeError
 
 __all__ = ["LengthConfig", "LengthSizer", "make_sizer"]
 
@@ -253,7 +253,7 @@ class LengthSizer:
         try:
             plan = self.engine._search(split, accumulating=True, timed_steps=0)
         except Exception as exc:
-            add_note(exc, length_note(L, ran, own=not isinstance(exc, BatchSizeError)))
+            note_length_search(exc, L, ran)
             raise
         if self.engine.plan is None:
             self.engine.plan = plan
