@@ -6,3 +6,15 @@
 CPU storage tracker), :mod:`~batchpilot.memory.probes` (figures per device, ``track_peak``,
 ``emulate_capacity``) and :mod:`~batchpilot.memory.gauge` (the one figure decisions use).
 """
+
+from .host import HostLimits, host_limits
+from .oom import Attempt, attempt, free_memory, is_oom
+from .probes import emulate_capacity, get_probe, track_peak
+from .tracker import StorageTracker
+from .units import format_bytes, parse_bytes
+
+__all__ = [
+    "is_oom", "attempt", "Attempt", "free_memory",
+    "get_probe", "track_peak", "emulate_capacity", "StorageTracker",
+    "parse_bytes", "format_bytes", "host_limits", "HostLimits",
+]

@@ -6,3 +6,14 @@
 (global = micro × world × accumulation, LR scaling) and :mod:`~batchpilot.train.data` (the
 elastic sampler and loader).
 """
+
+from .batching import BatchConfig, rescale_lr, rescale_weight_decay, scale_lr
+from .data import ElasticBatchSampler, ElasticLoader
+from .engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
+from .lengths import LengthConfig
+from .noise import NoiseConfig, NoiseSample
+
+__all__ = [
+    "Engine", "EngineConfig", "StepResult", "BatchDoesNotFitError", "LengthConfig", "NoiseConfig", "NoiseSample",
+    "BatchConfig", "scale_lr", "rescale_lr", "rescale_weight_decay", "ElasticBatchSampler", "ElasticLoader",
+]
