@@ -26,7 +26,7 @@ from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
-from ..memory.probes import emulate_capacity, get_probe, track_peak
+from ..memory.probes import emulate_capacity, emulated_capacity, track_peak
 from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, parse_bytes, resolve_device
 from ..policy.search import (
@@ -563,10 +563,7 @@ _KILL_MARGIN = 0.02
 
 def _ambient_capacity(device: torch.device) -> int | None:
     """The capacity of an emulation already running for ``device`` (the caller's), if any."""
-    if device.type == "cpu":
-        tr = active_tracker(device)
-        return None if tr is None else tr.capacity
-    return getattr(get_probe(device), "_capacity_override", None)
+    return emulated_capacity(device)
 
 
 def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:

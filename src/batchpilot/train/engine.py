@@ -32,7 +32,7 @@ from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import trim_host_memory
-from ..memory.probes import get_probe
+from ..memory.probes import emulated_capacity
 from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, parse_bytes, resolve_device
 from ..policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
@@ -1132,7 +1132,7 @@ class Engine:
             key: tuple = ("tensors",) if tracker is not None else ("host",)
             emulated = None if tracker is None else (tracker.capacity or 0)
         else:
-            emulated = getattr(get_probe(dev), "_capacity_override", None)
+            emulated = emulated_capacity(dev)
             key = (dev.type, emulated)
         gauge = self._gauges.get(key)
         if gauge is None:
