@@ -87,7 +87,7 @@ def test_an_oom_mid_run_splits_the_batch_and_no_prompt_is_lost_or_run_twice(mode
     wrong = dataclasses.replace(
         m, prefill=LengthFit(fixed=m.prefill.fixed, per_sample=tuple(x / 2 for x in m.prefill.per_sample),
                              lengths=m.prefill.lengths),
-        decode_per_sample=tuple(x / 2 for x in m.decode_per_sample))
+        decode=tuple((T, e, d / 2) for T, e, d in m.decode))
     calls = []
     real = model.generate
 

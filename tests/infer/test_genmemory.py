@@ -51,8 +51,10 @@ def measured_growth(model, batch_size: int, length: int, new: int, *, seed: int)
     return m.peak_bytes - m.start_bytes
 
 
-# shapes no trial ran: other batch sizes, prompt lengths between the fitted ones, other max_new_tokens
-UNFITTED = [(3, 30, NEW), (5, 10, NEW), (2, 40, 4), (4, 12, 16), (7, 24, 12), (1, 44, 2)]
+# shapes no trial ran: other batch sizes, prompt lengths between the fitted ones, other max_new_tokens; the
+# prefill binds in the first ones, the cache in the last four (many new tokens after a short prompt)
+UNFITTED = [(3, 30, NEW), (5, 10, NEW), (2, 40, 4), (4, 12, 16), (7, 24, 12), (1, 44, 2),
+            (3, 6, 30), (4, 10, 40), (5, 4, 44), (1, 3, 48)]
 
 
 @pytest.mark.parametrize("shape", UNFITTED, ids=lambda s: "b{}-P{}-N{}".format(*s))
@@ -60,8 +62,9 @@ def test_predicts_the_measured_peak_at_shapes_it_was_not_fitted_on(model, memory
     b, P, N = shape
     measured = measured_growth(model, b, P, N, seed=b * 1000 + P)
     predicted = memory.growth(b, P, N)
-    # never under the real peak, and within 3% of it
-    assert measured * (1 - 1e-9) <= predicted <= 1.03 * measured, (measured, predicted)
+    # never under the real peak, and within 5% of it (the prefill to the byte; a step of the cache over by
+    # what a longer prompt's own tokens held at that length, 24 B a token here: see docs/generation.md)
+    assert measured * (1 - 1e-9) <= predicted <= 1.05 * measured, (measured, predicted)
 
 
 def test_the_fit_costs_at_most_three_trials_per_length_and_its_answer_ran(memory):

@@ -8,9 +8,13 @@ memory in use by
 * ``prefill(b, P) = F(P) + b × S(P)``: the forward over the prompt and its first token; ``S`` a
   quadratic in ``P`` (activations, the attention scores no fused kernel avoids), fitted like the
   finder's length model (:class:`~batchpilot.policy.lengths.LengthFit`);
-* ``decode(b, T) = e0 + e1·T + b × (per_step + per_token × T)`` after a step that leaves ``T``
-  tokens: ``per_token`` is a token of KV cache (with its ids and mask), ``per_step`` what each step
-  holds whatever the length (the logits of its token, their float copy);
+* ``decode(b, T) = E(T) + b × D(T)`` in the step that leaves ``T`` tokens (prompt and new), taken
+  at every ``T`` a trial decoded through (the line over its batch sizes) and interpolated between:
+  ``D(T) ≈ per_step + per_token × T``, ``per_token`` a token of KV cache (with its ids and mask),
+  ``per_step`` what a step holds whatever the length (the logits of its token, their float copy).
+  ``D`` is no straight line: where a step's peak moves from its logits to its attention (the cache
+  of one layer copied as it grows), it bends up; convex, so a chord between measured lengths is
+  above it;
 * ``scale >= 1``: the figure that fails over the tensor bytes modelled (an allocator's reserved
   memory, a host's address space) and what verifications or OOMs showed the model missing.
 
@@ -23,6 +27,7 @@ trial gives the prefill and the cache's growth over ``N`` steps. Why and the fig
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import math
@@ -135,9 +140,9 @@ class GenerationMemory:
 
     Attributes:
         prefill: ``F(P) + b × S(P)``, the prompt's forward and first token.
-        decode_fixed: ``(e0, e1)``: a decoding step's bytes whatever the batch, ``e0 + e1·T``.
-        decode_per_sample: ``(per_step, per_token)``: a decoding step's bytes per sample,
-            ``per_step + per_token × T`` (``T``: the tokens the step leaves).
+        decode: ``((T, E, D), ...)`` by ``T``: a decoding step that leaves ``T`` tokens grows by
+            ``E + b × D``, at every ``T`` measured; between them, linear; below the shortest,
+            the shortest's (a shorter cache needs no more).
         scale: the failing figure per modelled byte (>= 1).
         prompt_lengths: the prompt lengths fitted (the longest bounds what the model answers).
         max_total_length: the longest ``P + N`` a trial decoded to (likewise).
@@ -151,8 +156,7 @@ class GenerationMemory:
     """
 
     prefill: LengthFit
-    decode_fixed: tuple[float, float]
-    decode_per_sample: tuple[float, float]
+    decode: tuple[tuple[int, float, float], ...]
     scale: float = 1.0
     prompt_lengths: tuple[int, ...] = ()
     max_total_length: int = 0
@@ -166,13 +170,31 @@ class GenerationMemory:
     # -- the terms ---------------------------------------------------------
     @property
     def per_token_bytes(self) -> float:
-        """Bytes a token of cache costs per sample (the KV cache of every layer, with its ids and mask)."""
-        return self.decode_per_sample[1]
+        """Bytes a token of cache costs per sample (the KV cache of every layer, with its ids and mask):
+        the slope of the least-squares line through ``D(T)``; 0 with one ``T`` measured."""
+        return _decode_line(self.decode)[1]
 
     @property
     def per_step_bytes(self) -> float:
-        """Bytes per sample a decoding step holds whatever the length (its logits, their float copy)."""
-        return self.decode_per_sample[0]
+        """Bytes per sample a decoding step holds whatever the length (its logits, their float copy):
+        that line's intercept."""
+        return _decode_line(self.decode)[0]
+
+    def decode_terms(self, total_length: int) -> tuple[float, float]:
+        """``(E, D)`` of the step that leaves ``total_length`` tokens (``(0, 0)`` with no step measured)."""
+        table = self.decode
+        if not table:
+            return 0.0, 0.0
+        k = bisect.bisect_left(table, total_length, key=lambda row: row[0])
+        if k < len(table) and table[k][0] == total_length:
+            return table[k][1], table[k][2]
+        if k == 0:
+            return table[0][1], table[0][2]
+        if k == len(table):
+            return table[-1][1], table[-1][2]
+        (t0, e0, d0), (t1, e1, d1) = table[k - 1], table[k]
+        w = (total_length - t0) / (t1 - t0)
+        return e0 + w * (e1 - e0), d0 + w * (d1 - d0)
 
     def prefill_bytes(self, batch_size: int, prompt_length: int) -> float:
         """The prefill's modelled growth (before ``scale``)."""
@@ -180,8 +202,8 @@ class GenerationMemory:
 
     def decode_bytes(self, batch_size: int, total_length: int) -> float:
         """A decoding step's modelled growth (before ``scale``) when it leaves ``total_length`` tokens."""
-        (e0, e1), (s0, s1) = self.decode_fixed, self.decode_per_sample
-        return e0 + e1 * total_length + batch_size * (s0 + s1 * total_length)
+        fixed, per = self.decode_terms(total_length)
+        return fixed + batch_size * per
 
     def growth(self, batch_size: int, prompt_length: int, max_new_tokens: int) -> float:
         """Predicted growth of the failing figure over the memory in use before ``generate``.
@@ -230,9 +252,7 @@ class GenerationMemory:
         room = (limit - start) / self.scale
         terms = [(self.prefill.fixed_bytes(prompt_length), max(0.0, self.prefill.bytes_per_sample(prompt_length)))]
         if max_new_tokens >= 2:
-            (e0, e1), (s0, s1) = self.decode_fixed, self.decode_per_sample
-            T = prompt_length + max_new_tokens
-            terms.append((e0 + e1 * T, s0 + s1 * T))
+            terms.append(self.decode_terms(prompt_length + max_new_tokens))
         answer = 1 << 40
         for fixed, per in terms:
             if room < fixed:
@@ -287,10 +307,8 @@ class GenerationMemory:
 
         The prefill at each prompt length is the line through its batch sizes (one batch size: all
         its bytes per sample), and the lines make a :func:`~batchpilot.policy.lengths.fit_lengths`
-        model (one length: the same line at every shorter one). The decoding steps of every
-        trial are fitted together by least squares and then raised by the most any step exceeds
-        it per sample, so the model is at or above every step measured (the cost per token rises
-        where the peak moves from the logits to the attention, a kink no line follows). ``scale``
+        model (one length: the same line at every shorter one). A decoding step is the line
+        through the batch sizes that ran a step leaving the same number of tokens. ``scale``
         is the largest ratio of the failing figure to the model among trials large enough to
         tell (at least 1/16 of the room), and what each OOM proves.
 
@@ -302,8 +320,7 @@ class GenerationMemory:
         if not measured:
             raise GenerationFitError("no trial ran to the end: nothing to fit", trials=trials)
         prefill = _fit_prefill(measured, trials)
-        decode_fixed, decode_per = _fit_decode(measured, trials)
-        model = cls(prefill=prefill, decode_fixed=decode_fixed, decode_per_sample=decode_per,
+        model = cls(prefill=prefill, decode=_fit_decode(measured, trials),
                     prompt_lengths=tuple(sorted({t.prompt_length for t in measured})),
                     max_total_length=max(t.prompt_length + t.max_new_tokens for t in measured),
                     limit_bytes=int(limit_bytes), start_bytes=int(start_bytes), capacity_bytes=int(capacity_bytes),
@@ -329,16 +346,18 @@ class GenerationMemory:
     def terms(self) -> dict[str, float]:
         """The model's terms in bytes, for reports (per sample unless named ``fixed``)."""
         longest = max(self.prompt_lengths)
+        longest_step = self.decode_terms(self.max_total_length)
         return {"per_token": self.per_token_bytes, "per_step": self.per_step_bytes,
-                "decode_fixed": self.decode_fixed[0], "decode_fixed_per_token": self.decode_fixed[1],
+                "decode_fixed_at_longest": longest_step[0], "decode_per_sample_at_longest": longest_step[1],
                 "prefill_fixed_at_longest": self.prefill.fixed_bytes(longest),
                 "prefill_per_sample_at_longest": self.prefill.bytes_per_sample(longest),
                 "prefill_per_token": self.prefill.per_sample[1], "prefill_per_token_squared": self.prefill.per_sample[2],
                 "scale": self.scale}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prefill": self.prefill.to_dict(), "decode_fixed": list(self.decode_fixed),
-                "decode_per_sample": list(self.decode_per_sample), "scale": self.scale,
+        return {"prefill": self.prefill.to_dict(),
+                "decode": [{"total_length": T, "fixed": e, "per_sample": d} for T, e, d in self.decode],
+                "scale": self.scale,
                 "prompt_lengths": list(self.prompt_lengths), "max_total_length": self.max_total_length,
                 "limit_bytes": self.limit_bytes, "start_bytes": self.start_bytes,
                 "capacity_bytes": self.capacity_bytes, "memory": self.memory,
@@ -348,15 +367,19 @@ class GenerationMemory:
 
 
 def _line(points: Mapping[int, float]) -> tuple[float, float]:
-    """``(fixed, per_sample)`` of the least-squares line through ``{batch: bytes}``; one point: all per sample."""
+    """``(intercept, slope)`` of the least-squares line through ``{x: y}``; one point: the line through 0.
+
+    Through ``{batch: bytes}`` one batch size so takes all its bytes as per sample: never less
+    than the line through two would give at a larger batch, when the batch-free part is >= 0.
+    """
     if len(points) == 1:
-        (b, y), = points.items()
-        return 0.0, y / b
+        (x, y), = points.items()
+        return 0.0, y / x
     n = len(points)
-    mb = sum(points) / n
+    mx = sum(points) / n
     my = sum(points.values()) / n
-    slope = sum((b - mb) * (y - my) for b, y in points.items()) / sum((b - mb) ** 2 for b in points)
-    return my - slope * mb, slope
+    slope = sum((x - mx) * (y - my) for x, y in points.items()) / sum((x - mx) ** 2 for x in points)
+    return my - slope * mx, slope
 
 
 def _fit_prefill(measured: Sequence[GenerationTrial], trials: Sequence[GenerationTrial]) -> LengthFit:
@@ -381,39 +404,38 @@ def _fit_prefill(measured: Sequence[GenerationTrial], trials: Sequence[Generatio
     return fit
 
 
-def _fit_decode(measured: Sequence[GenerationTrial], trials: Sequence[GenerationTrial]) -> tuple[tuple[float, float],
-                                                                                               tuple[float, float]]:
-    rows = [(t.batch_size, T, float(y)) for t in measured for T, y in t.decode_bytes]
-    if not rows:  # max_new_tokens=1 everywhere: no decoding step; a model that never binds
-        return (0.0, 0.0), (0.0, 0.0)
-    sizes = {b for b, _, _ in rows}
-    lengths = {T for _, T, _ in rows}
-    # columns: [1, T, b, b·T]; those the trials cannot tell apart are left at 0
-    cols = [i for i, keep in enumerate((len(sizes) > 1, len(sizes) > 1 and len(lengths) > 1, True, len(lengths) > 1))
-            if keep]
-    full = torch.tensor([[1.0, T, b, b * T] for b, T, _ in rows], dtype=torch.float64)
-    y = torch.tensor([r[2] for r in rows], dtype=torch.float64)
-    x = torch.linalg.lstsq(full[:, cols], y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
-    coef = [0.0] * 4
-    for i, c in zip(cols, x):
-        coef[i] = c
-    e0, e1, s0, s1 = coef
-    if s1 < 0:
-        # a cache does not shrink as it grows; round-off aside, the peaks are not a model
-        drop = -s1 * (max(lengths) - min(lengths))
-        if drop > 1e-6 * max(abs(s0 + s1 * T) for T in lengths):
+def _fit_decode(measured: Sequence[GenerationTrial],
+                trials: Sequence[GenerationTrial]) -> tuple[tuple[int, float, float], ...]:
+    by_length: dict[int, dict[int, float]] = {}
+    for t in measured:
+        for T, y in t.decode_bytes:
+            pts = by_length.setdefault(T, {})
+            pts[t.batch_size] = max(pts.get(t.batch_size, 0.0), float(y))
+    table = tuple((T, *_line(pts)) for T, pts in sorted(by_length.items()))
+    for T, _, per in table:
+        if per <= 0:
             raise GenerationFitError(
-                f"the decoding steps' bytes per prompt fall by {-s1:.1f} per token of cache: the peaks measured are "
-                "no model of a cache that grows", trials=trials)
-        s1 = 0.0
-    # raised to the highest step per sample: the model bounds every step measured
-    lift = max(0.0, max((yv - (e0 + e1 * T + b * (s0 + s1 * T))) / b for b, T, yv in rows))
-    s0 += lift
-    if min(s0 + s1 * T for T in lengths) <= 0:
-        raise GenerationFitError(
-            "the decoding steps' bytes per prompt came out not positive: the peaks measured do not grow with the batch",
-            trials=trials)
-    return (e0, e1), (s0, s1)
+                f"a decoding step's bytes per prompt at {T} tokens came out {per:.0f}: the peaks measured do not grow "
+                "with the batch, so they make no memory model (a figure too coarse for batches this small)",
+                trials=trials)
+    step, per_token = _decode_line(table)
+    if len(table) > 1 and per_token < 0:
+        low, high = table[0][0], table[-1][0]
+        if -per_token * (high - low) > 0.01 * max(per for _, _, per in table):
+            raise GenerationFitError(
+                f"the decoding steps' bytes per prompt fall by {-per_token:.1f} per token of cache from {low} to "
+                f"{high} tokens: the peaks measured are no model of a cache that grows", trials=trials)
+    return table
+
+
+def _decode_line(table: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
+    """``(per_step, per_token)``: the least-squares line through a decode table's bytes per sample."""
+    if not table:
+        return 0.0, 0.0
+    if len(table) == 1:
+        return table[0][2], 0.0
+    fixed, slope = _line({T: per for T, _, per in table})
+    return fixed, slope
 
 
 # -- the figures a fit and a run are judged on -------------------------------------------------------
