@@ -764,7 +764,9 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
             if room.exact:
                 b2 = 2
             else:
-                b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / max(1, first.peak_bytes or 0)))
+                # by the larger of the two figures: a caching allocator may reserve nothing new for one prompt
+                grew = max(1, first.peak_bytes or 0, first.tensor_peak_bytes or 0)
+                b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / grew))
             b2 = b2 if cap is None else min(b2, cap)
             run(b2, P)
             answer = fitted().max_batch(P, N, max_batch_size=cap)
