@@ -6,8 +6,9 @@ A Llama built from a config (random weights, no download) on the device:
    memory fraction: the allocator's real OOM past it), then a plain ``generate`` at shapes no
    trial ran, measured with ``track_peak`` (allocated bytes) and the reserved bytes, against the
    model's prediction;
-2. ``generate_by_length`` over long-tailed prompts under that capacity: batches, OOMs, seconds,
-   and how many outputs equal generating the prompt alone (a sample of them).
+2. ``generate_by_length`` over long-tailed prompts under that capacity, sizing included (``--small``:
+   on the fit of 1): batches, OOMs, seconds, and how many outputs equal generating the prompt
+   alone (a sample of them).
 
     python benchmarks/generation_gpu.py                       # CUDA, a 1024-wide Llama in bf16
     python benchmarks/generation_gpu.py --device cpu --small  # a tiny one on CPU (the tests' size)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.small:
         capacity, lengths, new, shapes = 2 * 2**20, (6, 18, 44), 8, [(3, 30, 8), (5, 10, 8), (4, 10, 40), (5, 4, 44)]
         tail = [random.Random(i).choice([4, 8, 12, 20, 40]) for i in range(24)]
-        gen_new, sample = 8, 24
+        gen_new, sample = 8, 12
     else:
         capacity, lengths, new = 8 * 2**30, (64, 256, 1024), 128
         shapes = [(24, 512, 128), (64, 128, 128), (40, 700, 64), (96, 64, 256), (16, 1000, 160), (200, 100, 32)]
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     report["unfitted"] = rows
     prompts = prompts_of(tail, vocab, 7)
     began = time.perf_counter()
+    # the small run reuses the fit (its trials are the tests' already); the full one sizes itself
     out = generate_by_length(model, prompts, max_new_tokens=gen_new, pad_token_id=PAD, capacity=capacity,
-                             device=args.device)
+                             device=args.device, memory=memory if args.small else None)
     report["run"] = {"prompts": len(prompts), "seconds": time.perf_counter() - began,
                      "sizing_seconds": out.sizing_seconds, "batches": out.batches, "ooms": out.ooms,
                      "trials": len(out.trials), "scale": out.memory.scale if out.memory else None}
