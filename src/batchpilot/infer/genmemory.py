@@ -43,7 +43,8 @@ from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import emulate_capacity, get_probe
 from ..memory.tracker import StorageTracker, active_tracker
-from ..memory.units import format_bytes, parse_bytes, resolve_device
+from ..find.finder import FinderConfig
+from ..memory.units import format_bytes, resolve_device
 from ..policy.lengths import LengthFit, check_lengths, fit_lengths
 from ..policy.search import FIT, OOM, OVER_TARGET, BatchSizeError, NothingFitsError
 
@@ -484,18 +485,6 @@ class MemoryRoom:
             yield
 
 
-def _check_target(target: Any) -> float:
-    """``target`` as a share in (0, 1].
-
-    Raises:
-        BatchSizeError: not a number in (0, 1].
-    """
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
-        raise BatchSizeError(f"target must be a fraction of device memory in (0, 1], got {target!r}; 0.6-0.8 "
-                             "leaves room for fragmentation and other processes")
-    return float(target)
-
-
 def model_device(model: Any) -> torch.device:
     """The device of the model's first parameter (the CPU for a model without any)."""
     params = getattr(model, "parameters", None)
@@ -529,14 +518,10 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
         BatchSizeError: a target outside (0, 1]; a capacity that is no size, or asked of a device
             that cannot emulate one (only cpu and cuda can).
     """
-    share = _check_target(target)
+    options = FinderConfig(target=target, capacity=capacity)  # the finder's checks of both, one home
+    share, cap = float(options.target), options.capacity
     dev = resolve_device(device) if device is not None else model_device(model)
-    cap = None
-    if capacity is not None:
-        try:
-            cap = parse_bytes(capacity)
-        except ValueError as exc:
-            raise BatchSizeError(str(exc)) from exc
+    if cap is not None:
         if dev.type not in ("cpu", "cuda"):
             raise BatchSizeError(f"capacity= is emulated on cpu and cuda, not {dev.type}; leave it out to use the "
                                  "device's own memory")
