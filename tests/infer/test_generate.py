@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -132,6 +133,7 @@ def test_an_empty_list_gives_an_empty_result_without_running(model):
     ([[5, 999]], {"max_new_tokens": 8}, ValueError, "outside the model's vocabulary of 384"),
     ([[5, -1]], {"max_new_tokens": 8}, ValueError, "no token id"),
     ("hello", {"max_new_tokens": 8}, TypeError, "tokenize first"),
+    (torch.ones(2, 5, dtype=torch.long), {"max_new_tokens": 8}, TypeError, "without padding"),
     ([[5, 6]], {"max_new_tokens": 0}, ValueError, "positive int"),
     ([[5, 6], [7]], {"max_new_tokens": [8]}, ValueError, "one per prompt"),
     ([[5, 6]], {"max_new_tokens": 8, "max_length": 20}, ValueError, "use max_new_tokens"),

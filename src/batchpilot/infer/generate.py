@@ -132,7 +132,10 @@ class _TrialSizer:
 
 def _prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
     """``prompts`` as lists of token ids, checked (before anything runs)."""
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
+    if isinstance(prompts, torch.Tensor):
+        raise TypeError(f"prompts is a tensor of shape {tuple(prompts.shape)}: give one sequence of token ids per "
+                        "prompt, without padding (e.g. [row[mask].tolist() for row, mask in zip(ids, attention_mask.bool())])")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a sequence of token-id sequences (one list of ints per prompt), got "
                         f"{type(prompts).__name__}; tokenize first, e.g. [tokenizer(t).input_ids for t in texts]")
     out = []

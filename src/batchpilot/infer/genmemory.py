@@ -39,11 +39,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from .._checks import add_note, positive_int
+from ..find.finder import FinderConfig
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import emulate_capacity, get_probe
 from ..memory.tracker import StorageTracker, active_tracker
-from ..find.finder import FinderConfig
 from ..memory.units import format_bytes, resolve_device
 from ..policy.lengths import LengthFit, check_lengths, fit_lengths
 from ..policy.search import FIT, OOM, OVER_TARGET, BatchSizeError, NothingFitsError
