@@ -77,7 +77,7 @@ def test_the_fit_costs_at_most_three_trials_per_length_and_its_answer_ran(memory
         assert answer >= 2
         # the answer at every fitted length ran for real, within the limit
         assert memory.verified[(P, NEW)] == answer
-        ran = max(t for t in per_length[P] if t.batch_size == answer)
+        ran = next(t for t in per_length[P] if t.batch_size == answer)
         assert memory.start_bytes + ran.peak_bytes <= memory.limit_bytes
         assert memory.peak(answer + 1, P, NEW) > memory.limit_bytes
     # on the tracker's exact bytes the figure is the model's: nothing to scale
