@@ -538,3 +538,17 @@ def test_lengths_quick_prints_the_three_arms(tmp_path):
     assert arms["by length"]["micro_batches"] < arms["fixed"]["micro_batches"]
     assert arms["by length"]["use"] >= 0.8 > arms["fixed"]["use"]
     assert arms["by length + split"]["mean_tokens"] < arms["by length"]["mean_tokens"]  # trimmed padding
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the integrations extra)")
+def test_generation_gpu_runs_on_cpu_small(tmp_path):
+    """benchmarks/generation_gpu.py --device cpu --small: the memory model of generate against measured peaks
+    at shapes no trial ran (never under, within 5%), and a batched run identical to one prompt at a time."""
+    out = tmp_path / "generation.json"
+    run_script("generation_gpu.py", "--device", "cpu", "--small", "--out", str(out), timeout=600)
+    doc = json.loads(out.read_text())
+    assert doc["unfitted"] and all(-1e-9 <= r["error_vs_allocated"] <= 0.05 for r in doc["unfitted"])
+    assert {r["binds"] for r in doc["unfitted"]} == {"prefill", "decode"}
+    run = doc["run"]
+    same, picked = map(int, run["identical_to_alone"].split("/"))
+    assert run["ooms"] == 0 and picked >= 10 and same == picked

@@ -31,13 +31,14 @@ ALLOWED: dict[str, set[str]] = {
     "find": {"_checks", "policy", "core", "memory", "plan"},  # plan_first seeds the finder with the planner
     "dist": {"_checks", "policy", "core", "memory", "find"},
     "train": {"_checks", "policy", "core", "memory", "find", "dist"},
-    "integrations": {"_checks", "policy", "core", "memory", "find", "dist", "train"},
+    "infer": {"_checks", "policy", "core", "memory", "plan", "find"},
+    "integrations": {"_checks", "policy", "core", "memory", "find", "dist", "train", "infer"},
     # batchpilot/__init__.py, the public API (it loads the planner, dist and app.trainjob lazily by name)
     "batchpilot": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train"},
-    "app": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "batchpilot"},
+    "app": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "infer", "batchpilot"},
     "__main__": {"app"},  # python -m batchpilot
 }
-LIBRARY = {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train"}
+LIBRARY = {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "infer"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
