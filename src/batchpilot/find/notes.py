@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..policy.search import BatchSizeError
 
-__all__ = ["note_trial_error", "note_length_search", "length_note"]
+__all__ = ["add_note", "note_trial_error", "note_length_search", "length_note"]
 
 _PREFIX = "batchpilot: raised by the step during a trial at "
 # the figures already noted on an exception, so that nested trials (a length search around a
@@ -25,6 +25,11 @@ def _set_notes(exc: BaseException, notes: list[str]) -> None:
     except Exception:  # an exception type that refuses attributes
         if hasattr(exc, "add_note"):
             exc.add_note(notes[-1])
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Append ``note`` to ``exc`` (PEP 678), also on an exception type that refuses attributes."""
+    _set_notes(exc, [*(getattr(exc, "__notes__", None) or []), note])
 
 
 def note_trial_error(exc: BaseException, *, batch_size: int | None = None, length: int | None = None) -> None:

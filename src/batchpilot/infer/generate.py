@@ -19,7 +19,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .._checks import add_note, positive_int
+from .._checks import positive_int
+from ..find.notes import add_note
 from ..memory.oom import attempt, is_oom
 from ..memory.units import resolve_device
 from ..policy.lengths import plan_length_split

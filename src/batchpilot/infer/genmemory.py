@@ -38,7 +38,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from .._checks import add_note, positive_int
+from .._checks import positive_int
+from ..find.notes import add_note
 from ..find.finder import FinderConfig
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.oom import attempt, free_memory, is_oom
