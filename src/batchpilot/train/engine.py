@@ -265,6 +265,9 @@ class Engine:
         micro_batch_reason: why it is that size (empty before the first step).
         split: the initial split of the per-rank batch (:class:`~batchpilot.policy.speed.SplitChoice`),
             ``None`` before the first step and for a fixed micro-batch.
+        batcher: the part that owns the micro-batch (:class:`~batchpilot.train.adapt.MicroBatcher`);
+            ``micro_batch_size``, ``micro_batch_reason``, ``policy``, ``fit`` and ``split`` are its.
+        retry: what a retry after an OOM puts back (:class:`~batchpilot.train.retry.RetryState`).
 
     Raises:
         ValueError: a batch size that is not a positive int, a global batch that does not
