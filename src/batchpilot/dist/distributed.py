@@ -39,6 +39,7 @@ __all__ = [
     "default_device",
     "init_distributed",
     "all_reduce_int",
+    "all_reduce_ints",
     "agree_min_with_rank",
     "DistributedCoordinator",
     "find_batch_size_distributed",
@@ -123,10 +124,11 @@ def all_reduce_int(value: int, op: ReduceOp = "min", *, group: Any = None) -> in
         ValueError: ``op`` is not one of the three.
         RuntimeError: Called while an OOM exception is being handled (see the module docstring).
     """
-    return _all_reduce_ints([value], op, group=group)[0]
+    return all_reduce_ints([value], op, group=group)[0]
 
 
-def _all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any) -> list[int]:
+def all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any = None) -> list[int]:
+    """:func:`all_reduce_int` of several integers in one collective (one reduction for all of them)."""
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
     _refuse_inside_oom_handler("an agreement (all-reduce)")
@@ -157,7 +159,7 @@ def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[
     if not is_distributed():
         return int(value), rank(), int(value), bool(flag)
     world = group_size(group)
-    encoded, negated, negated_flag = _all_reduce_ints(
+    encoded, negated, negated_flag = all_reduce_ints(
         [int(value) * world + dist.get_rank(group), -int(value), -int(bool(flag))], "min", group=group
     )
     # Python's floor division makes the decoding exact for negative values too.

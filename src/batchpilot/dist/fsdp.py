@@ -31,7 +31,7 @@ from ..find.result import BatchPlan
 from ..memory.oom import Attempt, attempt, free_memory
 from ..memory.units import resolve_device
 from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
-from .distributed import DistributedCoordinator, _all_reduce_ints
+from .distributed import DistributedCoordinator, all_reduce_ints
 
 try:  # FSDP2 is public from torch 2.6
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -286,7 +286,7 @@ class FSDPCoordinator(DistributedCoordinator):
         if self.world_size == 1:
             return
         self.collectives += 1
-        low, high = _all_reduce_ints([samples, -samples], "min", group=self.group)
+        low, high = all_reduce_ints([samples, -samples], "min", group=self.group)
         if low != -high:
             raise ValueError(
                 f"the ranks brought batches of {low} to {-high} samples to this step (this rank {samples}); "
@@ -442,12 +442,12 @@ class _Lockstep:
     def agree_space(self, space: SearchSpace) -> SearchSpace:
         """The smallest capacity and limit over ranks: one search for all of them."""
         self.own_limit = space.limit_bytes
-        cap, limit = _all_reduce_ints([space.capacity_bytes, space.limit_bytes], "min", group=self.coord.group)
+        cap, limit = all_reduce_ints([space.capacity_bytes, space.limit_bytes], "min", group=self.coord.group)
         return dataclasses.replace(space, capacity_bytes=cap, limit_bytes=limit)
 
     def agree_refusal(self, refused: bool) -> bool:
         """A trial one rank refuses (predicted to get it killed) is run by none."""
-        return bool(_all_reduce_ints([int(refused)], "max", group=self.coord.group)[0])
+        return bool(all_reduce_ints([int(refused)], "max", group=self.coord.group)[0])
 
     def begin(self) -> None:
         self.coord._ledger.begin()
@@ -492,7 +492,7 @@ class _Lockstep:
             # the least room under a rank's own limit, and the lowest rank that had it (MAX of -room)
             (-room) * world + (world - 1 - rank),
         ]
-        outcome, peak, start, tensor, bound, oom_rank, micros, tight = _all_reduce_ints(values, "max",
+        outcome, peak, start, tensor, bound, oom_rank, micros, tight = all_reduce_ints(values, "max",
                                                                                        group=coord.group)
         self.tightest[trial.batch_size] = world - 1 - tight % world
         kind = {v: k for k, v in _OUTCOMES.items()}[outcome]
