@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.ranks import is_distributed
-from ..core.sharding import fsdp_modules, fsdp_roots, is_fsdp, reset_fsdp_state
+from ..core.sharding import fsdp_modules, fsdp_param_groups, fsdp_roots, is_fsdp, reset_fsdp_state
 from ..find.finder import find_batch_size
 from ..find.result import BatchPlan
 from ..memory.oom import Attempt, attempt, free_memory
@@ -139,7 +139,7 @@ def _install_ledger(model: nn.Module, ledger: _Ledger) -> int:
     """
     sizes = set()
     for m in fsdp_modules(model):
-        groups = m._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp_param_groups(m)
         if not groups:
             continue
         if len(groups) > 1:
