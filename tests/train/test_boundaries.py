@@ -27,8 +27,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("batching.py", "scheduler._last_lr"): "torch's LR schedulers cache get_last_lr() there; no public setter",
     ("batching.py", "hasattr:_last_lr"): "the same cache, on the schedulers that have one",
     ("batching.py", "getattr:_schedulers"): "SequentialLR / ChainedScheduler hold their children there, unexposed",
-    ("engine.py", "getattr:_capacity_override"): "Engine._step_gauge reads a probe's emulated CUDA capacity; "
-                                                 "it goes with the one memory-figure abstraction (issue 24, item 3)",
 }
 
 
