@@ -4,7 +4,9 @@
 and of their defaults: :func:`~batchpilot.find.front.find_batch_size_for`, the engine
 (``EngineConfig.find``), the integrations and the ``batchpilot find`` flags embed it rather than
 declare the options again. A field's ``metadata["help"]`` is its documentation: the class
-docstring below, the integrations' docs and the command line's ``--help`` are built from it.
+docstring below, the integrations' docs and the command line's ``--help`` are built from it (what
+``None`` means, where it is allowed, ends the text as ``"; None: ..."``: the command line
+shows it as "not given").
 """
 
 from __future__ import annotations
