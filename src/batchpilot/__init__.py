@@ -13,6 +13,7 @@ from typing import Any
 from .find.finder import find_batch_size
 from .find.front import find_batch_size_for
 from .find.lengths import LengthPlan
+from .find.options import FindOptions
 from .find.result import BatchPlan
 from .memory.oom import attempt, free_memory, is_oom
 from .memory.probes import emulate_capacity, get_probe, track_peak
@@ -51,7 +52,7 @@ __all__ = [
     # memory
     "get_probe", "track_peak", "emulate_capacity", "parse_bytes", "StorageTracker",
     # finder
-    "find_batch_size", "find_batch_size_for", "BatchPlan", "BatchSizeError", "NothingFitsError",
+    "find_batch_size", "find_batch_size_for", "FindOptions", "BatchPlan", "BatchSizeError", "NothingFitsError",
     # batch arithmetic and LR
     "BatchConfig", "scale_lr", "rescale_lr", "rescale_weight_decay",
     # data
