@@ -82,10 +82,11 @@ def configure_batch_size(
     the per-device batch is the largest that fits and the accumulation is kept. By default only
     the batch sizes change, as with the Trainer's own ``auto_find_batch_size``; with ``lr_rule``
     (``"auto"``, ``"linear"``, ``"sqrt"``) ``args.learning_rate`` is rescaled when the global
-    batch (``per_device × world × accumulation``) is not ``lr_base_size``. ``args`` is changed in place, and the setup is also left on
-    ``args.batchpilot_setup``: a :class:`ResilientTrainer` built on these ``args`` starts its
-    micro-batches at the finder's answer rather than at the divisor a plain ``Trainer`` needs
-    (its engine cuts a smaller last micro-batch, so it need not divide the batch).
+    batch (``per_device × world × accumulation``) is not ``lr_base_size``. ``args`` is changed
+    in place, and the setup is also left on ``args.batchpilot_setup``: a :class:`ResilientTrainer`
+    built on these ``args`` starts its micro-batches at the finder's answer rather than at the
+    divisor a plain ``Trainer`` needs (its engine cuts a smaller last micro-batch, so it need not
+    divide the batch).
 
     Args:
         args: the ``TrainingArguments`` to fill in.

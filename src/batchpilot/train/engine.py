@@ -280,8 +280,8 @@ class Engine:
     Raises:
         ValueError: a batch size that is not a positive int, a global batch that does not
             divide by the world size (the message suggests the nearest that do), a fixed
-            micro-batch larger than the per-rank batch, ``target`` outside (0, 1), not below
-            ``config.high_water`` or other than ``config.find.target``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
+            micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
+            ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
             schedule that follows the noise scale with ``noise=False`` (or a coordinator of
             several ranks that cannot sum it), ``lengths`` with a fixed micro-batch, an int
             ``start``, or FSDP.
