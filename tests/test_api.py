@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import subprocess
@@ -13,7 +14,7 @@ import batchpilot
 
 #: exactly what ``from batchpilot import ...`` offers: find, plan, train, their configs, the errors
 TOP_LEVEL = [
-    "find_batch_size", "find_batch_size_for", "BatchPlan", "plan_batch_size",
+    "find_batch_size", "find_batch_size_for", "FindOptions", "BatchPlan", "plan_batch_size",
     "Engine", "EngineConfig", "StepResult", "LengthConfig", "NoiseConfig",
     "emulate_capacity",
     "BatchSizeError", "NothingFitsError", "BatchDoesNotFitError", "PlanningError", "UnverifiedLengthError",
@@ -25,7 +26,9 @@ SUBPACKAGES = ["batchpilot.memory", "batchpilot.policy", "batchpilot.find", "bat
 CONTRACT = {
     "find_batch_size": ["step", "device", "target", "capacity", "strategy", "min_batch_size", "max_batch_size",
                         "steps_per_trial", "restore", "first_guess", "progress"],
-    "find_batch_size_for": ["model", "batch", "optimizer", "loss_fn", "mode", "lengths", "seq_dim"],
+    "find_batch_size_for": ["model", "batch", "optimizer", "loss_fn", "mode", "lengths", "seq_dim", "objective"],
+    "FindOptions": ["target", "capacity", "strategy", "min_batch_size", "max_batch_size", "steps_per_trial",
+                    "first_guess", "max_trials", "progress", "objective", "timed_steps"],
     "Engine": ["model", "optimizer", "loss_fn", "global_batch_size", "micro_batch_size", "device", "amp",
                "grad_clip", "target", "scheduler", "coordinator", "config", "noise", "schedule", "lengths"],
     "LengthConfig": ["seq_dim", "length_fn", "split", "beyond"],
@@ -146,11 +149,31 @@ def test_an_unknown_name_is_a_plain_attribute_error():
             getattr(importlib.import_module(package), "no_such_name")
 
 
+def _accepted(fn) -> set[str]:
+    """The keywords ``fn`` takes: its parameters, and the finder's options where it takes them as overrides."""
+    params = inspect.signature(fn).parameters
+    names = set(params)
+    takes_overrides = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if takes_overrides and "options" in params:  # options: FindOptions | None, and its fields by keyword
+        names |= {f.name for f in dataclasses.fields(batchpilot.FindOptions)}
+    return names
+
+
 @pytest.mark.parametrize("name", sorted(CONTRACT))
 def test_documented_parameters_exist(name):
-    params = inspect.signature(_resolve(name)).parameters
-    missing = [p for p in CONTRACT[name] if p not in params]
+    accepted = _accepted(_resolve(name))
+    missing = [p for p in CONTRACT[name] if p not in accepted]
     assert not missing, f"{name} lost parameters {missing}"
+
+
+def test_the_finder_options_taken_by_keyword_reach_the_options():
+    # what _accepted counts for the finder: every such keyword builds the options (an unknown one is refused)
+    opts = batchpilot.FindOptions.build(capacity="1MiB", strategy="binsearch", min_batch_size=2, max_batch_size=8,
+                                        steps_per_trial=3, first_guess=4, progress=True)
+    assert opts.changed() == {"capacity": 1 << 20, "strategy": "binsearch", "min_batch_size": 2, "max_batch_size": 8,
+                              "steps_per_trial": 3, "first_guess": 4, "progress": True}
+    with pytest.raises(batchpilot.BatchSizeError, match="unknown finder option"):
+        batchpilot.find_batch_size(lambda b: None, not_an_option=1)
 
 
 def test_the_planner_and_the_distributed_modules_load_on_first_use():

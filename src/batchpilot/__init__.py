@@ -15,6 +15,7 @@ from typing import Any
 
 from .find.finder import find_batch_size
 from .find.front import find_batch_size_for
+from .find.options import FindOptions
 from .find.result import BatchPlan
 from .memory.probes import emulate_capacity
 from .policy.lengths import UnverifiedLengthError
@@ -32,7 +33,7 @@ _LAZY = {
 
 __all__ = [
     # find the batch size on the device, or plan it for one you don't have
-    "find_batch_size", "find_batch_size_for", "BatchPlan", "plan_batch_size",
+    "find_batch_size", "find_batch_size_for", "FindOptions", "BatchPlan", "plan_batch_size",
     # train with it
     "Engine", "EngineConfig", "StepResult", "LengthConfig", "NoiseConfig",
     # run as on a device of a given size

@@ -27,6 +27,7 @@ from torch import nn
 from ..core.ranks import is_distributed
 from ..core.sharding import fsdp_modules, fsdp_param_groups, fsdp_roots, is_fsdp, reset_fsdp_state
 from ..find.finder import find_batch_size
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.oom import Attempt, attempt, free_memory
 from ..memory.units import resolve_device
@@ -535,7 +536,8 @@ def find_batch_size_fsdp(
         replay: ``replay(batch_size)`` running the collectives of one step of a trial at
             ``batch_size`` with one sample; it runs ``steps_per_trial`` times, as the trial's step
             does. Default ``step(min_batch_size)``.
-        **options: any other keyword of :func:`~batchpilot.find.finder.find_batch_size`.
+        **options: any other keyword of :func:`~batchpilot.find.finder.find_batch_size`: ``device``,
+            ``target``, ``options`` and the fields of :class:`~batchpilot.find.options.FindOptions`.
 
     Raises:
         ValueError: no ``fully_shard`` model was given (in ``restore``) to an unbound coordinator.
@@ -549,8 +551,11 @@ def find_batch_size_fsdp(
         if not models:
             raise ValueError("find_batch_size_fsdp needs the fully_shard model in restore=(model, optimizer)")
         coord.bind(models[0])
-    steps = int(options.get("steps_per_trial", 2))
-    smallest = int(options.get("min_batch_size", 1))
+    device = options.pop("device", None)
+    if options.get("target", 0) is None:  # find_batch_size's "the options' target"
+        del options["target"]
+    opts = FindOptions.build(options.pop("options", None), **options)
+    steps, smallest = opts.steps_per_trial, opts.min_batch_size
     one_step = replay if replay is not None else (lambda _batch_size: step(smallest))
 
     def replay_trial(batch_size: int) -> None:
@@ -558,9 +563,9 @@ def find_batch_size_fsdp(
         for _ in range(steps):
             one_step(batch_size)
 
-    lockstep = _Lockstep(coord, replay_trial, resolve_device(options.get("device")))
+    lockstep = _Lockstep(coord, replay_trial, resolve_device(device))
     try:
-        plan = find_batch_size(step, restore=items, lockstep=lockstep, **options)
+        plan = find_batch_size(step, device=device, restore=items, lockstep=lockstep, options=opts)
     except Exception as exc:
         explained = coord.explain(exc)
         if explained is None:

@@ -116,6 +116,7 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
     base["compilations"] = sum(p.compilations for p in plans.values())
     out = LengthPlan(**base, length_fit=fit, length_plans=plans,
                      seq_dim=None if functional else (seq_dim or 1))
-    budget = out.budget(kwargs.get("max_batch_size"))
+    options = kwargs.get("options")
+    budget = out.budget(None if options is None else options.max_batch_size)
     out.per_length = budget.table(asked)
     return out

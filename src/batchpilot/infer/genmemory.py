@@ -40,7 +40,7 @@ import torch
 
 from .._checks import positive_int
 from ..find.notes import add_note
-from ..find.finder import FinderConfig
+from ..find.options import FindOptions
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import emulate_capacity, get_probe
@@ -519,7 +519,7 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
         BatchSizeError: a target outside (0, 1]; a capacity that is no size, or asked of a device
             that cannot emulate one (only cpu and cuda can).
     """
-    options = FinderConfig(target=target, capacity=capacity)  # the finder's checks of both, one home
+    options = FindOptions(target=target, capacity=capacity)  # the finder's checks of both, one home
     share, cap = float(options.target), options.capacity
     dev = resolve_device(device) if device is not None else model_device(model)
     if cap is not None:

@@ -35,6 +35,7 @@ from ..core.ranks import group_size
 from ..core.sharding import is_fsdp
 from ..dist.coordinator import Coordinator, LocalCoordinator, check_coordinator
 from ..find.finder import find_batch_size
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import trim_host_memory
@@ -82,9 +83,11 @@ class EngineConfig:
         restore_buffers: on retry, put BatchNorm running statistics back as they were before the
             failed attempt (cost: one in-place copy of those buffers per step).
         restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
-        find_options: extra keyword arguments for :func:`batchpilot.find.finder.find_batch_size` when
-            ``micro_batch_size="auto"`` and no ``start`` is given (with ``split="time"`` its
-            ``timed_steps`` defaults to 3: the split is decided on those times).
+        find: the finder's options (:class:`~batchpilot.find.options.FindOptions`) for the search
+            when ``micro_batch_size="auto"`` and no ``start`` is given. Its ``capacity`` is
+            ``capacity``'s when that is given (``find.capacity`` alone sizes the search only), its
+            ``target`` the engine's ``target=`` (a different value in both raises); with
+            ``split="time"`` its ``timed_steps=None`` is 3: the split is decided on those times.
         split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
             micro-batch that fits: ``"time"``: the fewest micro-batches, balanced, unless the
             finder's timed trials predict more, smaller ones faster by ``split_margin``
@@ -92,7 +95,8 @@ class EngineConfig:
         split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
 
     Raises:
-        ValueError: a value out of range.
+        ValueError: a value out of range, or ``capacity`` and ``find.capacity`` that disagree.
+        TypeError: ``find`` is not a :class:`~batchpilot.find.options.FindOptions`.
     """
 
     grow_after: int = 50
@@ -103,7 +107,7 @@ class EngineConfig:
     capacity: int | str | None = None
     restore_buffers: bool = True
     restore_rng: bool = True
-    find_options: dict[str, Any] = field(default_factory=dict)
+    find: FindOptions = field(default_factory=FindOptions)
     split: Literal["time", "fewest"] = "time"
     split_margin: float = SPEED_TOLERANCE
 
@@ -117,6 +121,16 @@ class EngineConfig:
             raise ValueError(f"high_water must be a fraction of capacity in (0, 1], got {self.high_water!r}")
         if self.capacity is not None:
             self.capacity = parse_bytes(self.capacity)
+        if not isinstance(self.find, FindOptions):
+            raise TypeError(f"find must be a batchpilot.FindOptions, got {type(self.find).__name__}: "
+                            "EngineConfig(find=FindOptions(max_trials=9))")
+        if self.capacity is not None:
+            if self.find.capacity is not None and self.find.capacity != self.capacity:
+                raise ValueError(
+                    f"capacity={self.capacity} and find.capacity={self.find.capacity} disagree: give the capacity "
+                    "once (capacity sizes the engine and its search; find.capacity alone, the search only)"
+                )
+            self.find = FindOptions.build(self.find, capacity=self.capacity)
         if self.split not in ("time", "fewest"):
             raise ValueError(f"split must be 'time' or 'fewest', got {self.split!r}")
         self.split_margin = check_speed_tolerance(self.split_margin)
@@ -229,7 +243,9 @@ class Engine:
         device: where micro-batches go and memory is measured; default: the model's.
         amp: ``None``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and ``GradScaler``).
         grad_clip: clip the total gradient norm to this (unscaled first under fp16).
-        target: fraction of capacity a grown micro-batch's predicted peak may use.
+        target: fraction of capacity a grown micro-batch's predicted peak may use, and the finder's
+            ``target``; ``None``: ``config.find.target`` (default 0.8). Give it once: a
+            ``config.find.target`` other than its default that differs raises.
         scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
             optimizer step (not on skipped fp16 steps). Checkpoint it yourself.
         coordinator: agreement with other ranks, and the world size; default
@@ -293,7 +309,7 @@ class Engine:
         device: torch.device | str | None = None,
         amp: str | torch.dtype | None = None,
         grad_clip: float | None = None,
-        target: float = 0.8,
+        target: float | None = None,
         scheduler: Any = None,
         coordinator: Coordinator | None = None,
         config: EngineConfig | None = None,
@@ -336,6 +352,14 @@ class Engine:
             if start is not None:
                 raise ValueError('start only applies to micro_batch_size="auto"')
             self.fixed = True
+        find = self.config.find
+        if target is None:
+            target = find.target
+        elif "target" in find.changed() and find.target != target:
+            raise ValueError(
+                f"target={target} and config.find.target={find.target} disagree: give the target once "
+                "(Engine(target=) is the finder's target too)"
+            )
         if not (isinstance(target, numbers.Real) and 0 < target < 1):
             raise ValueError(f"target must be a fraction of capacity in (0, 1), got {target!r}")
         if target >= self.config.high_water:
@@ -880,14 +904,13 @@ class Engine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
-        options = dict(self.config.find_options)
-        options.setdefault("target", self.target)
-        if self.config.split == "time":
-            options.setdefault("timed_steps", 3)  # the split is decided on these times: the fastest of three
-        if self.config.capacity is not None:
-            options.setdefault("capacity", self.config.capacity)
-        options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
-        options.update(overrides)
+        find = self.config.find
+        # one search size: the batch at hand, within this rank's share and the options' own bound
+        largest = min(split.size, self._per_rank, find.max_batch_size or split.size)
+        decided = dict(target=self.target, max_batch_size=largest)
+        if self.config.split == "time" and find.timed_steps is None:
+            decided["timed_steps"] = 3  # the split is decided on these times: the fastest of three
+        options = dict(device=self.device, options=FindOptions.build(find, **{**decided, **overrides}))
         if self.coordinator.lockstep:
             # FSDP: trials in lockstep on every rank (their forward runs collectives). A micro-batch
             # below the per-rank batch accumulates, and FSDP keeps the unsharded gradients between
