@@ -58,3 +58,31 @@ def texts(word_counts: list[int], *, words: int = 96, seed: int = 0) -> list[str
     """One text of random words per count (``w17 w3 ...``)."""
     rng = random.Random(seed)
     return [" ".join(f"w{rng.randrange(words)}" for _ in range(k)) for k in word_counts]
+
+
+def loglikelihood_requests(n: int, *, context: int, long: int = 2, seed: int = 0) -> list[Any]:
+    """lm-eval ``loglikelihood`` instances: long-tailed contexts (``long`` past ``context``, which HFLM
+    truncates), an empty context, two one-word continuations of one context (HFLM's ``logits_cache``)."""
+    from lm_eval.api.instance import Instance
+
+    ctx = texts(lengths(n, context=context, median=12, long=long, seed=seed), seed=seed)
+    ctx[:long] = texts([context + 5 * (k + 1) for k in range(long)], seed=seed + 1)
+    cont = texts([1 + k % 3 for k in range(n)], seed=seed + 2)
+    pairs = [(c, " " + d) for c, d in zip(ctx, cont)]
+    pairs += [("", "w1 w2"), (ctx[-1], " w5"), (ctx[-1], " w9")]
+    return [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+
+def rolling_requests(word_counts: list[int], *, seed: int = 3) -> list[Any]:
+    """lm-eval ``loglikelihood_rolling`` instances, one document per count (longer than the context: several windows)."""
+    from lm_eval.api.instance import Instance
+
+    return [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts(word_counts, seed=seed))]
+
+
+def generate_requests(n: int, *, context: int, gen_kwargs: dict, seed: int = 4) -> list[Any]:
+    """lm-eval ``generate_until`` instances with long-tailed prompts."""
+    from lm_eval.api.instance import Instance
+
+    prompts = texts(lengths(n, context=context, median=10, long=1, seed=seed), seed=seed)
+    return [Instance("generate_until", {}, (p, dict(gen_kwargs)), i) for i, p in enumerate(prompts)]
