@@ -40,9 +40,9 @@ class Scorer:
         self.model, self.extra, self.calls, self.grow = model, extra_per_request, [], lambda: False
 
     @torch.no_grad()
-    def __call__(self, batch: list[torch.Tensor]) -> list[float]:
+    def __call__(self, batch: list[torch.Tensor], width: int | None = None) -> list[float]:
         self.calls.append([id(r) for r in batch])
-        width = max(len(r) for r in batch)
+        width = max(len(r) for r in batch) if width is None else width
         ids = torch.ones(len(batch), width, dtype=torch.long)
         for i, r in enumerate(batch):
             ids[i, :len(r)] = r
@@ -75,6 +75,22 @@ def test_results_in_input_order_equal_scoring_each_request_alone(model) -> None:
     real = [b for b in scorer.batches if not b.trial]
     assert [b.length for b in real] == sorted((b.length for b in real), reverse=True)
     assert not any(b.oom for b in scorer.batches)
+
+
+def test_with_pads_every_sizing_trial_runs_requests_no_trial_ran_before(model) -> None:
+    requests = _requests()
+    run = Scorer(model)
+    scorer = LengthScorer(run, length=len, capacity=CAP, track=[model], pads=True)
+    out = scorer.score(requests)
+    assert out == pytest.approx(_alone(model, requests), rel=1e-5, abs=1e-4)
+    trials = [(ids, b) for ids, b in zip(run.calls, scorer.batches) if b.trial]
+    assert trials and all(b.kept for _, b in trials)
+    # the trials of a length are disjoint windows: no request ran in two trials
+    for L in scorer.plan.length_plans:
+        ran = [i for ids, b in trials if b.length == L for i in ids]
+        assert len(ran) == len(set(ran))
+    assert sum(Counter(i for ids, b in zip(run.calls, scorer.batches) if not b.trial for i in ids).values()) + \
+        len({i for ids, _ in trials for i in ids}) == len(requests)
 
 
 def test_each_batch_is_sized_for_its_length_from_a_few_trials_per_length(model) -> None:

@@ -59,7 +59,8 @@ class ScoreBatch:
         size: requests in the batch.
         length: its padded length (its longest request's).
         trial: run by a sizing search.
-        kept: a trial whose results were kept (the largest window that completed at its length).
+        kept: a trial whose results were kept (the largest window that completed at its length;
+            with ``pads``, every completed trial with a request no earlier one ran).
         oom: it ran out of memory (its requests were run again in smaller batches).
         peak_bytes: the peak of the memory figure that fails on the device, when measured.
         seconds: wall time of the call, when measured (not for trials).
@@ -82,7 +83,7 @@ class LengthScorer(Generic[R, T]):
 
     Args:
         run_batch: ``run_batch(requests) -> results``: the requests as one padded forward with no
-            gradient, one result per request, in order.
+            gradient, one result per request, in order (``run_batch(requests, length)`` with ``pads``).
         length: ``length(request) -> int``: the padded length the request needs.
         target: fraction of the device memory a batch's peak may use, in (0, 1].
         capacity: device memory to emulate (bytes or ``"24GiB"``; CPU and CUDA); ``None``: the
@@ -97,6 +98,8 @@ class LengthScorer(Generic[R, T]):
             together (``torch.distributed.all_gather_object``); every rank calls it exactly once
             per :meth:`score`, however many requests it holds, and every rank then sizes each
             length by the most cautious rank's model. ``None``: one process.
+        pads: ``run_batch(requests, length)`` pads every row to ``length`` (at least its longest
+            request's): the sizing trials then run requests no trial ran before, none wasted.
 
     Attributes:
         budget: the per-length budget (``None`` before the first search).
@@ -121,6 +124,7 @@ class LengthScorer(Generic[R, T]):
         max_batch_size: int | None = None,
         track: Iterable[Any] = (),
         agree: Callable[[Any], list[Any]] | None = None,
+        pads: bool = False,
     ) -> None:
         if not callable(run_batch):
             raise ValueError(f"run_batch must be a function list of requests -> list of results, got {run_batch!r}")
@@ -139,6 +143,9 @@ class LengthScorer(Generic[R, T]):
         if agree is not None and not callable(agree):
             raise ValueError(f"agree must be a function obj -> [obj of every rank] (an all-gather), got {agree!r}")
         self.agree = agree
+        if not isinstance(pads, bool):
+            raise ValueError(f"pads must be True or False, got {pads!r}")
+        self.pads = pads
         self.budget: LengthBudget | None = None
         self.plan: LengthPlan | None = None
         self.batches: list[ScoreBatch] = []
@@ -246,18 +253,35 @@ class LengthScorer(Generic[R, T]):
 
     def _search(self, requests: list[R], order: list[int], first: dict[int, int], room: dict[int, int],
                 fitted: tuple[int, ...], plans: dict[int, BatchPlan], results: dict[int, T]) -> None:
-        for L in sorted(fitted, reverse=True):  # the longest first: a nothing-fits fails fastest there
-            start, cap = first[L], room[L]
-            kept: dict[str, Any] = {"record": None, "out": ()}
+        """A search per fitted length, each trial a window of real requests from the longest of that length.
 
-            def step(b: int, start: int = start, L: int = L, kept: dict[str, Any] = kept) -> None:
-                window = [requests[i] for i in order[start:start + b]]
+        With ``pads`` every trial takes the next requests not yet run (padded to ``L``), sliding back
+        within the room when the next would not fit in it, and every trial that completed keeps its
+        results; without, each trial is the first ``b`` of the room (its own longest request pads
+        it to ``L``) and the largest that completed keeps them.
+        """
+        for L in sorted(fitted, reverse=True):  # the longest first: a nothing-fits fails fastest there
+            start, width = first[L], room[L]
+            # without pads each trial reruns a prefix; with pads, trials of half the room each leave
+            # the next one room to run new requests (its answer is a floor the model rises above)
+            cap = width if not self.pads else max(_MIN_WINDOW, width // 2)
+            state: dict[str, Any] = {"next": 0, "record": None, "out": ()}
+
+            def step(b: int, start: int = start, L: int = L, width: int = width,
+                     state: dict[str, Any] = state) -> None:
+                offset = 0 if not self.pads else state["next"] if state["next"] + b <= width else max(0, width - b)
+                idx = order[start + offset:start + offset + b]
                 record = ScoreBatch(size=b, length=L, trial=True, oom=True)
                 self.batches.append(record)
-                out = self._call(window, L)  # an OOM is the trial's answer, caught by the finder
+                out = self._call([requests[i] for i in idx], L)  # an OOM is the trial's answer, caught by the finder
                 record.oom = False
-                if kept["record"] is None or b > kept["record"].size:
-                    kept["record"], kept["out"] = record, out
+                if self.pads:
+                    state["next"] = max(state["next"], offset + b)
+                    fresh = [(i, v) for i, v in zip(idx, out) if i not in results]
+                    results.update(fresh)
+                    record.kept = bool(fresh)
+                elif state["record"] is None or b > state["record"].size:
+                    state["record"], state["out"] = record, out
 
             try:
                 plans[L] = find_batch_size(step, device=self.device, target=self.target, max_batch_size=cap,
@@ -266,9 +290,9 @@ class LengthScorer(Generic[R, T]):
             except Exception as exc:
                 add_note(exc, length_note(L, sorted(plans), own=not isinstance(exc, BatchSizeError)))
                 raise
-            if kept["record"] is not None:
-                kept["record"].kept = True
-                for i, value in zip(order[start:start + kept["record"].size], kept["out"]):
+            if state["record"] is not None:
+                state["record"].kept = True
+                for i, value in zip(order[start:start + state["record"].size], state["out"]):
                     results.setdefault(i, value)
             logger.info("length %d: batch %d in %d trials", L, plans[L].batch_size, plans[L].num_trials)
 
@@ -298,7 +322,7 @@ class LengthScorer(Generic[R, T]):
 
     # ------------------------------------------------------------------ running
     def _call(self, batch: list[R], length: int) -> list[T]:
-        out = list(self.run_batch(batch))
+        out = list(self.run_batch(batch, length) if self.pads else self.run_batch(batch))
         if len(out) != len(batch):
             raise ValueError(f"run_batch returned {len(out)} results for {len(batch)} requests (padded to "
                              f"{length}); it must return one result per request, in order")
@@ -471,6 +495,7 @@ def score_by_length(
     max_batch_size: int | None = None,
     track: Iterable[Any] = (),
     agree: Callable[[Any], list[Any]] | None = None,
+    pads: bool = False,
 ) -> list[T]:
     """Score ``requests`` longest first in batches each sized for its own padded length; results in input order.
 
@@ -485,5 +510,5 @@ def score_by_length(
         NothingFitsError: a request does not fit even alone.
     """
     scorer = LengthScorer(run_batch, length=length, target=target, capacity=capacity, device=device,
-                          max_length=max_length, max_batch_size=max_batch_size, track=track, agree=agree)
+                          max_length=max_length, max_batch_size=max_batch_size, track=track, agree=agree, pads=pads)
     return scorer.score(requests)

@@ -74,7 +74,8 @@ class BatchpilotLM(HFLM):
         # one scorer for loglikelihood and rolling windows: the same forward, the same memory per (batch, length)
         self.scorer = LengthScorer(self._score_batch, length=self._row_length, target=self.target,
                                    capacity=capacity, device=self.device, max_length=self.max_length,
-                                   max_batch_size=self.max_batch_size, track=[self.model], agree=self._all_gather)
+                                   max_batch_size=self.max_batch_size, track=[self.model], agree=self._all_gather,
+                                   pads=True)
 
     # ------------------------------------------------------------------ ranks
     def _all_gather(self, obj: Any) -> list[Any]:
@@ -129,15 +130,19 @@ class BatchpilotLM(HFLM):
                     self.cache_hook.add_partial("loglikelihood", cache_key, answer)
         return out  # type: ignore[return-value]
 
-    def _score_batch(self, rows: list[list[tuple[int, TokenRequest]]]) -> list[list[tuple[float, bool]]]:
-        """One padded forward for ``rows``; each row's answers, its representative's first."""
+    def _score_batch(self, rows: list[list[tuple[int, TokenRequest]]], width: int) -> list[list[tuple[float, bool]]]:
+        """One forward for ``rows`` right-padded to ``width``; each row's answers, its representative's first.
+
+        A row's logits do not depend on the padding after it (causal attention), so a sizing trial
+        padded wider than its rows gives them HFLM's results.
+        """
         inps, inplens = [], []
         for group in rows:
             _, (_, context, continuation) = group[0]
             inp = torch.tensor(self._row(context, continuation), dtype=torch.long, device=self.device)
             inps.append(inp)
             inplens.append(inp.shape[0])
-        padding_len_inp = max(inplens)
+        padding_len_inp = max(width, *inplens)
         batched = pad_and_concat(padding_len_inp, inps, padding_side="right")
         multi_logits = F.log_softmax(self._model_call(batched), dim=-1, dtype=self.softmax_dtype)
         out = []
