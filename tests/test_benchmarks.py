@@ -538,3 +538,18 @@ def test_lengths_quick_prints_the_three_arms(tmp_path):
     assert arms["by length"]["micro_batches"] < arms["fixed"]["micro_batches"]
     assert arms["by length"]["use"] >= 0.8 > arms["fixed"]["use"]
     assert arms["by length + split"]["mean_tokens"] < arms["by length"]["mean_tokens"]  # trimmed padding
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: pip install -e '.[integrations]'")
+def test_lm_eval_side_by_side_quick(tmp_path):
+    """Each method in a fresh process under its own RLIMIT_AS, side by side on one request list."""
+    out = tmp_path / "lm_eval.json"
+    proc = run_script("lm_eval_side_by_side.py", "--quick", "--tasks", "loglikelihood", "--json", str(out))
+    assert "same as hflm 1" in proc.stdout and "× auto req/s" in proc.stdout
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["hflm 1", "hflm auto", "batchpilot"]
+    assert all(r["same as hflm 1"] == "yes" and r["error"] is None for r in rows.values()), rows
+    ours = rows["batchpilot"]
+    assert ours["calls"] < rows["hflm 1"]["calls"] and ours["ooms_after_first_batch"] == 0
+    assert all(n <= 3 for n in ours["trials_per_length"].values())
