@@ -26,7 +26,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from .._checks import positive_int
+from ..find.finder import FinderConfig
 from ..infer.score import LengthScorer
+from ..policy.search import BatchSizeError
 from ._common import require
 
 require("lm_eval", "batchpilot.integrations.lm_eval")
@@ -46,7 +49,7 @@ TokenRequest = tuple[Any, list[int], list[int]]
 
 
 class BatchpilotLM(HFLM):
-    """lm-eval's ``HFLM``, batched by length: every argument of ``HFLM`` and four of batchpilot's.
+    """lm-eval's ``HFLM``, batched by length: every argument of ``HFLM`` and three of batchpilot's.
 
     Args:
         pretrained: a model name or path, or a ``transformers`` model (as ``HFLM``).
@@ -59,7 +62,7 @@ class BatchpilotLM(HFLM):
         **kwargs: any other argument of ``HFLM`` (``tokenizer``, ``max_length``, ``dtype``, ...).
 
     Raises:
-        BatchSizeError: ``target`` outside (0, 1] or an unreadable ``capacity``.
+        BatchSizeError: ``target`` outside (0, 1] or an unreadable ``capacity`` (before the model loads).
     """
 
     def __init__(self, pretrained: Any, *, target: float | str = 0.8, capacity: int | str | None = None,
@@ -67,13 +70,19 @@ class BatchpilotLM(HFLM):
         if batch_size not in (None, 1, "1") and not str(batch_size).startswith("auto"):
             logger.info("batch_size=%s ignored: batchpilot sizes each batch by its length (max_batch_size caps it)",
                         batch_size)
+        if isinstance(target, str):  # from --model_args
+            try:
+                target = float(target)
+            except ValueError:
+                raise BatchSizeError(f"target must be a fraction of device memory in (0, 1], got {target!r}") from None
+        options = FinderConfig(target=target, capacity=capacity)  # bad options fail before the model loads
+        max_batch_size = None if max_batch_size is None else positive_int("max_batch_size", int(max_batch_size))
         super().__init__(pretrained, batch_size=1, max_batch_size=max_batch_size or 64, **kwargs)
-        self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
-        self.target = float(target)
-        self.capacity = capacity
+        self.max_batch_size = max_batch_size
+        self.target, self.capacity = float(options.target), options.capacity
         # one scorer for loglikelihood and rolling windows: the same forward, the same memory per (batch, length)
         self.scorer = LengthScorer(self._score_batch, length=self._row_length, target=self.target,
-                                   capacity=capacity, device=self.device, max_length=self.max_length,
+                                   capacity=self.capacity, device=self.device, max_length=self.max_length,
                                    max_batch_size=self.max_batch_size, track=[self.model], agree=self._all_gather,
                                    pads=True)
 
