@@ -552,3 +552,18 @@ def test_generation_gpu_runs_on_cpu_small(tmp_path):
     run = doc["run"]
     same, picked = map(int, run["identical_to_alone"].split("/"))
     assert run["ooms"] == 0 and picked >= 10 and same == picked
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: pip install -e '.[integrations]'")
+def test_lm_eval_side_by_side_quick(tmp_path):
+    """Each method in a fresh process under its own RLIMIT_AS, side by side on one request list."""
+    out = tmp_path / "lm_eval.json"
+    proc = run_script("lm_eval_side_by_side.py", "--quick", "--tasks", "loglikelihood", "--json", str(out))
+    assert "same as hflm 1" in proc.stdout and "× auto req/s" in proc.stdout
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["hflm 1", "hflm auto", "batchpilot"]
+    assert all(r["same as hflm 1"] == "yes" and r["error"] is None for r in rows.values()), rows
+    ours = rows["batchpilot"]
+    assert ours["calls"] < rows["hflm 1"]["calls"] and ours["ooms_after_first_batch"] == 0
+    assert all(n <= 3 for n in ours["trials_per_length"].values())

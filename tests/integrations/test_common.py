@@ -14,7 +14,7 @@ from batchpilot.integrations import BatchSetup, SizingOptions
 from batchpilot.integrations._common import choose_batches
 from batchpilot.policy.search import BatchSizeError
 
-FRAMEWORKS = ("lightning", "transformers", "accelerate")
+FRAMEWORKS = ("lightning", "transformers", "accelerate", "lm_eval")
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_each_integration_names_the_extra_when_its_framework_is_missing():
             "    except ImportError as e:\n        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     lines = out.strip().splitlines()
-    assert len(lines) == 3
+    assert len(lines) == len(FRAMEWORKS)
     for name, line in zip(FRAMEWORKS, lines):
         assert line == (f"batchpilot.integrations.{name} needs {name}, which is not installed: "
                         f"pip install 'batchpilot[integrations]' (or pip install {name})")
@@ -130,11 +130,11 @@ def test_each_integration_names_the_extra_when_its_framework_is_missing():
 def test_each_integration_imports_without_the_other_two():
     present = [f for f in FRAMEWORKS if importlib.util.find_spec(f) is not None]
     if not present:
-        pytest.skip("needs lightning, transformers or accelerate: pip install -e '.[integrations]'")
+        pytest.skip("needs lightning, transformers, accelerate or lm_eval: pip install -e '.[integrations]'")
     # Each framework is imported first: what it imports of the others (Lightning looks for
-    # transformers) is its own business. Then the other two are made uninstalled (None in
+    # transformers) is its own business. Then the others are made uninstalled (None in
     # sys.modules) while batchpilot's module is imported. The Trainer needs Accelerate itself
-    # (transformers[torch] requires it), so only Lightning is blocked there.
+    # (transformers[torch] requires it), and lm-eval's HFLM both, so only Lightning is blocked there.
     code = f"""
 import importlib, sys
 frameworks = {FRAMEWORKS!r}
@@ -142,7 +142,8 @@ for name in {present!r}:
     importlib.import_module(name)
     if name == "transformers":
         import transformers.trainer
-    blocked = [f for f in frameworks if f != name and not (name == "transformers" and f == "accelerate")]
+    needs = {{"transformers": ("accelerate",), "lm_eval": ("transformers", "accelerate")}}.get(name, ())
+    blocked = [f for f in frameworks if f != name and f not in needs]
     saved = {{f: sys.modules.pop(f, None) for f in blocked}}
     sys.modules.update(dict.fromkeys(blocked))
     importlib.import_module("batchpilot.integrations." + name)
