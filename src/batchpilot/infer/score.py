@@ -23,9 +23,11 @@ from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 import torch
 
-from .._checks import add_note, check_int, positive_int
-from ..find.finder import FinderConfig, find_batch_size
-from ..find.lengths import LengthPlan, length_note
+from .._checks import check_int, positive_int
+from ..find.finder import find_batch_size
+from ..find.options import FindOptions
+from ..find.lengths import LengthPlan
+from ..find.notes import note_length_search
 from ..find.result import BatchPlan
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.oom import attempt, free_memory
@@ -130,7 +132,7 @@ class LengthScorer(Generic[R, T]):
             raise ValueError(f"run_batch must be a function list of requests -> list of results, got {run_batch!r}")
         if not callable(length):
             raise ValueError(f"length must be a function request -> padded length, got {length!r}")
-        options = FinderConfig(target=target, capacity=capacity)  # the finder's checks, before anything runs
+        options = FindOptions(target=target, capacity=capacity)  # the finder's checks, before anything runs
         self.capacity: int | None = options.capacity  # type: ignore[assignment]
         self.run_batch, self.length, self.target = run_batch, length, float(options.target)
         self.device = resolve_device(device)
@@ -288,7 +290,7 @@ class LengthScorer(Generic[R, T]):
                                            steps_per_trial=1, timed_steps=0, objective="memory",
                                            tolerance=_SEARCH_TOLERANCE)
             except Exception as exc:
-                add_note(exc, length_note(L, sorted(plans), own=not isinstance(exc, BatchSizeError)))
+                note_length_search(exc, L, sorted(plans))
                 raise
             if state["record"] is not None:
                 state["record"].kept = True

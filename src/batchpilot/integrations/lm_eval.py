@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import positive_int
-from ..find.finder import FinderConfig
+from ..find.options import FindOptions
 from ..infer.score import LengthScorer
 from ..policy.search import BatchSizeError
 from ._common import require
@@ -75,7 +75,7 @@ class BatchpilotLM(HFLM):
                 target = float(target)
             except ValueError:
                 raise BatchSizeError(f"target must be a fraction of device memory in (0, 1], got {target!r}") from None
-        options = FinderConfig(target=target, capacity=capacity)  # bad options fail before the model loads
+        options = FindOptions(target=target, capacity=capacity)  # bad options fail before the model loads
         max_batch_size = None if max_batch_size is None else positive_int("max_batch_size", int(max_batch_size))
         super().__init__(pretrained, batch_size=1, max_batch_size=max_batch_size or 64, **kwargs)
         self.max_batch_size = max_batch_size
