@@ -297,7 +297,7 @@ def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: M
 
 
 def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
-                       pad_token_id: int, eos_token_id: int | Sequence[int] | None = None, target: float = 0.8,
+                       pad_token_id: int, eos_token_id: int | Sequence[int] | None = None, target: float | None = None,
                        capacity: int | str | None = None, device: torch.device | str | int | None = None,
                        memory: GenerationMemory | None = None, **generate_kwargs: Any) -> Generations:
     """Generate for every prompt, in batches grouped by length and sized for the memory; outputs in input order.
@@ -323,7 +323,7 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
         max_new_tokens: new tokens per prompt, one int for all or one per prompt.
         pad_token_id: the id padding the prompts on the left (and finished rows).
         eos_token_id: the ids that end a row; ``None``: the model's generation config's.
-        target: the share of the capacity a batch may peak at.
+        target: the share of the capacity a batch may peak at (default: the finder's, ``FindOptions.target``).
         capacity: a device size to emulate (``"4GiB"``) for the whole call; default the
             device's real memory, or the caller's own ``emulate_capacity``.
         device: the device the prompts go to; default the model's.

@@ -507,7 +507,7 @@ def _ambient_emulation(device: torch.device) -> int | None:
 
 @contextlib.contextmanager
 def memory_room(model: Any, *, device: torch.device | str | int | None = None, capacity: int | str | None = None,
-                target: float = 0.8) -> Iterator[MemoryRoom]:
+                target: float | None = None) -> Iterator[MemoryRoom]:
     """Open the room a generation job is sized in: an emulated ``capacity`` held for the whole block.
 
     With ``capacity`` the device behaves like one of that size throughout (the trials and the
@@ -519,7 +519,7 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
         BatchSizeError: a target outside (0, 1]; a capacity that is no size, or asked of a device
             that cannot emulate one (only cpu and cuda can).
     """
-    options = FindOptions(target=target, capacity=capacity)  # the finder's checks of both, one home
+    options = FindOptions(**({} if target is None else {"target": target}), capacity=capacity)  # the finder's checks of both, one home
     share, cap = float(options.target), options.capacity
     dev = resolve_device(device) if device is not None else model_device(model)
     if cap is not None:
@@ -782,7 +782,7 @@ def _nothing_fits(trial: GenerationTrial, room: MemoryRoom) -> NothingFitsError:
 
 
 def fit_generation_memory(model: Any, *, prompt_lengths: Sequence[int], max_new_tokens: int, pad_token_id: int,
-                          eos_token_id: int | Sequence[int] | None = None, target: float = 0.8,
+                          eos_token_id: int | Sequence[int] | None = None, target: float | None = None,
                           capacity: int | str | None = None, device: torch.device | str | int | None = None,
                           max_batch_size: int | None = None, **generate_kwargs: Any) -> GenerationMemory:
     """Fit :class:`GenerationMemory` for ``model.generate`` from real trials at two or three prompt lengths.

@@ -87,7 +87,7 @@ class LengthScorer(Generic[R, T]):
         run_batch: ``run_batch(requests) -> results``: the requests as one padded forward with no
             gradient, one result per request, in order (``run_batch(requests, length)`` with ``pads``).
         length: ``length(request) -> int``: the padded length the request needs.
-        target: fraction of the device memory a batch's peak may use, in (0, 1].
+        target: fraction of the device memory a batch's peak may use, in (0, 1] (default: ``FindOptions.target``).
         capacity: device memory to emulate (bytes or ``"24GiB"``; CPU and CUDA); ``None``: the
             device's real memory (or the capacity of an ``emulate_capacity`` the caller runs).
         device: the device ``run_batch`` computes on; default the current accelerator, else CPU.
@@ -119,7 +119,7 @@ class LengthScorer(Generic[R, T]):
         run_batch: Callable[[list[R]], Sequence[T]],
         *,
         length: Callable[[R], int],
-        target: float = 0.8,
+        target: float | None = None,
         capacity: int | str | None = None,
         device: torch.device | str | int | None = None,
         max_length: int | None = None,
@@ -132,7 +132,7 @@ class LengthScorer(Generic[R, T]):
             raise ValueError(f"run_batch must be a function list of requests -> list of results, got {run_batch!r}")
         if not callable(length):
             raise ValueError(f"length must be a function request -> padded length, got {length!r}")
-        options = FindOptions(target=target, capacity=capacity)  # the finder's checks, before anything runs
+        options = FindOptions(**({} if target is None else {"target": target}), capacity=capacity)  # the finder's checks, before anything runs
         self.capacity: int | None = options.capacity  # type: ignore[assignment]
         self.run_batch, self.length, self.target = run_batch, length, float(options.target)
         self.device = resolve_device(device)
@@ -490,7 +490,7 @@ def score_by_length(
     requests: Sequence[R],
     *,
     length: Callable[[R], int],
-    target: float = 0.8,
+    target: float | None = None,
     capacity: int | str | None = None,
     device: torch.device | str | int | None = None,
     max_length: int | None = None,

@@ -65,7 +65,7 @@ class BatchpilotLM(HFLM):
         BatchSizeError: ``target`` outside (0, 1] or an unreadable ``capacity`` (before the model loads).
     """
 
-    def __init__(self, pretrained: Any, *, target: float | str = 0.8, capacity: int | str | None = None,
+    def __init__(self, pretrained: Any, *, target: float | str | None = None, capacity: int | str | None = None,
                  max_batch_size: int | None = None, batch_size: int | str | None = 1, **kwargs: Any) -> None:
         if batch_size not in (None, 1, "1") and not str(batch_size).startswith("auto"):
             logger.info("batch_size=%s ignored: batchpilot sizes each batch by its length (max_batch_size caps it)",
@@ -75,7 +75,7 @@ class BatchpilotLM(HFLM):
                 target = float(target)
             except ValueError:
                 raise BatchSizeError(f"target must be a fraction of device memory in (0, 1], got {target!r}") from None
-        options = FindOptions(target=target, capacity=capacity)  # bad options fail before the model loads
+        options = FindOptions(**({} if target is None else {"target": target}), capacity=capacity)  # bad options fail before the model loads
         max_batch_size = None if max_batch_size is None else positive_int("max_batch_size", int(max_batch_size))
         super().__init__(pretrained, batch_size=1, max_batch_size=max_batch_size or 64, **kwargs)
         self.max_batch_size = max_batch_size
