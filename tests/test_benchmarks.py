@@ -170,6 +170,7 @@ def test_gpu_validate_reports_a_failing_check_as_a_row(capsys):
 # scripts
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_gpu_validate_runs_on_cpu_small(tmp_path):
     out = tmp_path / "gv.json"
@@ -257,6 +258,7 @@ def test_allocator_peak_reads_the_cpu_allocator():
     assert allocator_peak(two_buffers) == 4 << 20  # both alive at once; the third came after they left
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_compiled_benchmark_runs_on_the_quick_mlp(tmp_path):
     out = tmp_path / "compiled.json"
@@ -334,6 +336,7 @@ def test_peers_quick_every_method(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                     reason="needs Lightning: pip install -e '.[integrations]'")
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_integrations_quick_callback_against_lightnings_finder(tmp_path):
     """batchpilot's Lightning callback and Lightning's BatchSizeFinder under one real cap, in fresh processes."""
@@ -358,6 +361,7 @@ def test_integrations_rejects_unknown_methods():
     assert proc.returncode == 2 and "unknown method 'lightning-magic'" in proc.stderr
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(CGROUP_REASON is not None, reason=f"no memory cgroup here: {CGROUP_REASON}")
 @pytest.mark.timeout(900)
 def test_peers_container_quick(tmp_path):
@@ -472,6 +476,7 @@ def test_noise_benchmark_helpers():
     assert nb.settles_after([1.0, 1.0, 2.0], 1.0) is None
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(600)
 def test_noise_benchmark_quick_prints_its_tables(tmp_path):
     out = tmp_path / "noise.json"
@@ -508,6 +513,7 @@ def test_noise_benchmark_recovers_the_uncorrected_estimate_exactly():
     assert g == pytest.approx(out[False][0], rel=1e-6) and t == pytest.approx(out[False][1], rel=1e-6)
 
 
+@pytest.mark.bench
 def test_lengths_ddp_quick_runs_the_three_arms_on_two_ranks(tmp_path):
     """benchmarks/lengths_ddp.py (launches itself under torchrun): equal micro-batch counts on both
     ranks, no OOM after step 1, both ranks' parameters the full batch's (speed not asserted)."""
@@ -522,6 +528,7 @@ def test_lengths_ddp_quick_runs_the_three_arms_on_two_ranks(tmp_path):
     assert arms["by length"]["mean_micro_batches"] < arms["fixed"]["mean_micro_batches"]
 
 
+@pytest.mark.bench
 def test_lengths_quick_prints_the_three_arms(tmp_path):
     """benchmarks/lengths.py --quick: no OOM after step 1, exact parameters, the model's memory used (speed not asserted)."""
     out = tmp_path / "lengths.json"
@@ -540,6 +547,7 @@ def test_lengths_quick_prints_the_three_arms(tmp_path):
     assert arms["by length + split"]["mean_tokens"] < arms["by length"]["mean_tokens"]  # trimmed padding
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the integrations extra)")
 def test_generation_gpu_runs_on_cpu_small(tmp_path):
     """benchmarks/generation_gpu.py --device cpu --small: the memory model of generate against measured peaks
@@ -554,6 +562,7 @@ def test_generation_gpu_runs_on_cpu_small(tmp_path):
     assert run["ooms"] == 0 and picked >= 10 and same == picked
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: pip install -e '.[integrations]'")
 def test_lm_eval_side_by_side_quick(tmp_path):
