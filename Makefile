@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # it, and must not replace it with another (CUDA) build.
 PIN    := $(VENV)/torch-constraint.txt
 
-.PHONY: venv train test bench clean
+.PHONY: venv train test test-bench bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,13 @@ train: venv
 # module-scoped fixture (one torchrun launch for a file's tests) runs once. JOBS=0: one process.
 JOBS ?= auto
 XDIST = -n $(JOBS) --dist loadfile
+# the benchmarks' own smoke runs (marker bench, minutes in all) run behind their own target; the
+# peers benchmark's quick runs stay in make test as the smoke run CI keeps
 test: venv $(BIN)/.integrations
-	$(BIN)/python -m pytest -q $(XDIST) $(ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not bench" $(ARGS)
+
+test-bench: venv $(BIN)/.integrations
+	$(BIN)/python -m pytest -q $(XDIST) -m bench tests/test_benchmarks.py $(ARGS)
 
 bench: venv
 	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli,bench]'

@@ -47,6 +47,7 @@ KNOWN = (
     Script("noise", quick=("--quick",)),
     Script("lengths", quick=("--quick",)),
     Script("lengths_ddp", quick=("--quick", "--capacity", "400KiB")),
+    Script("lm_eval_side_by_side", quick=("--quick",)),
     Script("continuous_batching", quick=("--quick",)),
 )
 

@@ -170,6 +170,7 @@ def test_gpu_validate_reports_a_failing_check_as_a_row(capsys):
 # scripts
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_gpu_validate_runs_on_cpu_small(tmp_path):
     out = tmp_path / "gv.json"
@@ -257,6 +258,7 @@ def test_allocator_peak_reads_the_cpu_allocator():
     assert allocator_peak(two_buffers) == 4 << 20  # both alive at once; the third came after they left
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_compiled_benchmark_runs_on_the_quick_mlp(tmp_path):
     out = tmp_path / "compiled.json"
@@ -334,6 +336,7 @@ def test_peers_quick_every_method(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                     reason="needs Lightning: pip install -e '.[integrations]'")
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_integrations_quick_callback_against_lightnings_finder(tmp_path):
     """batchpilot's Lightning callback and Lightning's BatchSizeFinder under one real cap, in fresh processes."""
@@ -358,6 +361,7 @@ def test_integrations_rejects_unknown_methods():
     assert proc.returncode == 2 and "unknown method 'lightning-magic'" in proc.stderr
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(CGROUP_REASON is not None, reason=f"no memory cgroup here: {CGROUP_REASON}")
 @pytest.mark.timeout(900)
 def test_peers_container_quick(tmp_path):
@@ -472,6 +476,7 @@ def test_noise_benchmark_helpers():
     assert nb.settles_after([1.0, 1.0, 2.0], 1.0) is None
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(600)
 def test_noise_benchmark_quick_prints_its_tables(tmp_path):
     out = tmp_path / "noise.json"
@@ -508,6 +513,7 @@ def test_noise_benchmark_recovers_the_uncorrected_estimate_exactly():
     assert g == pytest.approx(out[False][0], rel=1e-6) and t == pytest.approx(out[False][1], rel=1e-6)
 
 
+@pytest.mark.bench
 def test_lengths_ddp_quick_runs_the_three_arms_on_two_ranks(tmp_path):
     """benchmarks/lengths_ddp.py (launches itself under torchrun): equal micro-batch counts on both
     ranks, no OOM after step 1, both ranks' parameters the full batch's (speed not asserted)."""
@@ -522,6 +528,7 @@ def test_lengths_ddp_quick_runs_the_three_arms_on_two_ranks(tmp_path):
     assert arms["by length"]["mean_micro_batches"] < arms["fixed"]["mean_micro_batches"]
 
 
+@pytest.mark.bench
 def test_lengths_quick_prints_the_three_arms(tmp_path):
     """benchmarks/lengths.py --quick: no OOM after step 1, exact parameters, the model's memory used (speed not asserted)."""
     out = tmp_path / "lengths.json"
@@ -538,6 +545,37 @@ def test_lengths_quick_prints_the_three_arms(tmp_path):
     assert arms["by length"]["micro_batches"] < arms["fixed"]["micro_batches"]
     assert arms["by length"]["use"] >= 0.8 > arms["fixed"]["use"]
     assert arms["by length + split"]["mean_tokens"] < arms["by length"]["mean_tokens"]  # trimmed padding
+
+
+@pytest.mark.bench
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the integrations extra)")
+def test_generation_gpu_runs_on_cpu_small(tmp_path):
+    """benchmarks/generation_gpu.py --device cpu --small: the memory model of generate against measured peaks
+    at shapes no trial ran (never under, within 5%), and a batched run identical to one prompt at a time."""
+    out = tmp_path / "generation.json"
+    run_script("generation_gpu.py", "--device", "cpu", "--small", "--out", str(out), timeout=600)
+    doc = json.loads(out.read_text())
+    assert doc["unfitted"] and all(-1e-9 <= r["error_vs_allocated"] <= 0.05 for r in doc["unfitted"])
+    assert {r["binds"] for r in doc["unfitted"]} == {"prefill", "decode"}
+    run = doc["run"]
+    same, picked = map(int, run["identical_to_alone"].split("/"))
+    assert run["ooms"] == 0 and picked >= 10 and same == picked
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval: pip install -e '.[integrations]'")
+def test_lm_eval_side_by_side_quick(tmp_path):
+    """Each method in a fresh process under its own RLIMIT_AS, side by side on one request list."""
+    out = tmp_path / "lm_eval.json"
+    proc = run_script("lm_eval_side_by_side.py", "--quick", "--tasks", "loglikelihood", "--json", str(out))
+    assert "same as hflm 1" in proc.stdout and "× auto req/s" in proc.stdout
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["hflm 1", "hflm auto", "batchpilot"]
+    assert all(r["same as hflm 1"] == "yes" and r["error"] is None for r in rows.values()), rows
+    ours = rows["batchpilot"]
+    assert ours["calls"] < rows["hflm 1"]["calls"] and ours["ooms_after_first_batch"] == 0
+    assert all(n <= 3 for n in ours["trials_per_length"].values())
 
 
 def test_continuous_batching_table_compares_with_the_best_hand_tuned_budget():
@@ -558,3 +596,19 @@ def test_continuous_batching_table_compares_with_the_best_hand_tuned_budget():
     assert [r[-2] for r in rows] == ["(reference)", "no", "yes", "yes", "yes"]
     records[-1]["outputs"] = [[1, 2], [3], [4, 5], [7]]  # one request's tokens differ: not the same outputs
     assert not cb.table(records, p)[1]["goal_met"]
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the integrations extra)")
+def test_continuous_batching_quick(tmp_path):
+    """Every arm in a fresh capped process: the defaults die, batchpilot's config completes with the same outputs."""
+    import continuous_batching as cb
+
+    out = tmp_path / "cb.json"
+    proc = run_script("continuous_batching.py", "--quick", "--jobs", "2", "--json", str(out))
+    assert "the best hand-tuned budget's req/s" in proc.stdout
+    records = {r["arm"]: r for r in json.loads(out.read_text())["records"]}
+    assert records["transformers defaults"]["completed"] == 0
+    ours = records["batchpilot"]
+    assert ours["completed"] == cb.QUICK["requests"] and ours["identical"] and ours["runs"][-1][-1] == "ok", ours

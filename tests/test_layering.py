@@ -29,15 +29,16 @@ ALLOWED: dict[str, set[str]] = {
     "memory": {"_checks", "core"},
     "plan": {"_checks", "policy", "core", "memory"},
     "find": {"_checks", "policy", "core", "memory", "plan"},  # plan_first seeds the finder with the planner
+    "infer": {"_checks", "policy", "core", "memory", "plan", "find"},
     "dist": {"_checks", "policy", "core", "memory", "find"},
     "train": {"_checks", "policy", "core", "memory", "find", "dist"},
-    "integrations": {"_checks", "policy", "core", "memory", "find", "dist", "train"},
+    "integrations": {"_checks", "policy", "core", "memory", "find", "dist", "train", "infer"},
     # batchpilot/__init__.py, the public API (it loads the planner, dist and app.trainjob lazily by name)
     "batchpilot": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train"},
-    "app": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "batchpilot"},
+    "app": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "infer", "batchpilot"},
     "__main__": {"app"},  # python -m batchpilot
 }
-LIBRARY = {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train"}
+LIBRARY = {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "infer"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

@@ -1,5 +1,7 @@
 """One home per concept: "is this FSDP2?" is answered by :mod:`batchpilot.core.sharding` only,
-"how many ranks?" by :mod:`batchpilot.core.ranks` only.
+"how many ranks?" by :mod:`batchpilot.core.ranks` only; a memory figure is a
+:class:`batchpilot.memory.gauge.Gauge`, and an emulated capacity is read from
+:func:`batchpilot.memory.probes.emulated_capacity`.
 
 Every module of the package is read with ``ast`` (as :mod:`test_layering` does); a check written
 a second time elsewhere fails here with the line to replace and the helper to call instead.
@@ -105,3 +107,62 @@ def test_one_storage_ledger():
              for owner, line in _weakref_calls(ast.parse(path.read_text(), str(path)))]
     assert found and all((rel, owner) == ("memory/tracker.py", "StorageLedger") for rel, owner, _ in found), (
         "storages counted outside batchpilot.memory.tracker.StorageLedger; charge them there: " + repr(found))
+
+
+def _figure_classes(tree: ast.AST) -> list[tuple[str, list[str], int]]:
+    """``(name, base names, line)`` of every class named ``*Probe`` / ``*Gauge`` or defining ``capacity()``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            methods = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            if node.name.endswith(("Probe", "Gauge")) or "capacity" in methods:
+                found.append((node.name, [_name(b) for b in node.bases], node.lineno))
+    return found
+
+
+def test_the_scan_sees_a_memory_figure_class():
+    code = ("class CpuProbe:\n    pass\n"
+            "class Meter:\n    def capacity(self):\n        return 1\n"
+            "class Limits:\n    capacity_bytes = 0\n")
+    assert _figure_classes(ast.parse(code)) == [("CpuProbe", [], 1), ("Meter", [], 3)]
+
+
+def test_one_memory_figure_abstraction():
+    # a figure of a device's memory (current, peak since reset, capacity) is a Gauge, declared in
+    # batchpilot/memory/gauge.py, all of them under the one base
+    found = {rel: _figure_classes(ast.parse(path.read_text(), str(path))) for rel, path in SOURCES.items()}
+    elsewhere = [f"{rel}:{line} {name}" for rel, classes in found.items() if rel != "memory/gauge.py"
+                 for name, _, line in classes]
+    assert not elsewhere, ("memory figures declared outside batchpilot/memory/gauge.py; make them a "
+                           "batchpilot.memory.gauge.Gauge there:\n" + "\n".join(elsewhere))
+    gauges = {name: bases for name, bases, _ in found["memory/gauge.py"]}
+    assert gauges.pop("Gauge") == [] and gauges, "batchpilot.memory.gauge.Gauge is the one root"
+    assert all(bases == ["Gauge"] for bases in gauges.values()), gauges
+    assert not any(name.endswith("Probe") for name in gauges)
+
+
+def _emulation_reads(tree: ast.AST) -> list[tuple[str, int]]:
+    """``(how, line)`` of ``_capacity_override`` anywhere and of assignments to a gauge's ``emulated``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "_capacity_override":
+            found.append(("_capacity_override", node.lineno))
+        elif isinstance(node, ast.Constant) and node.value == "_capacity_override":
+            found.append(("_capacity_override", node.lineno))
+        elif isinstance(node, ast.Attribute) and node.attr == "emulated" and isinstance(node.ctx, ast.Store):
+            found.append(("emulated =", node.lineno))
+    return sorted(found, key=lambda f: f[1])
+
+
+def test_the_scan_sees_an_emulation_read():
+    code = "a = getattr(p, '_capacity_override', None)\nb = p._capacity_override\np.emulated = 3\nc = p.emulated\n"
+    assert _emulation_reads(ast.parse(code)) == [("_capacity_override", 1), ("_capacity_override", 2), ("emulated =", 3)]
+
+
+def test_the_emulated_capacity_has_one_home():
+    # emulate_capacity records it, memory.probes.emulated_capacity is where everything else reads it
+    wrong = [f"{rel}:{line} {how}" for rel, path in SOURCES.items()
+             for how, line in _emulation_reads(ast.parse(path.read_text(), str(path)))
+             if not (rel in ("memory/probes.py", "memory/gauge.py") and how == "emulated =")]
+    assert not wrong, ("an emulated capacity read or recorded outside batchpilot.memory.probes; call "
+                       "batchpilot.memory.probes.emulated_capacity(device) instead:\n" + "\n".join(wrong))

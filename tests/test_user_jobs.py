@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import batchpilot.train.engine as engine_module
-from batchpilot import ElasticBatchSampler, ElasticLoader, Engine, EngineConfig, find_batch_size_for
+from batchpilot import Engine, EngineConfig, find_batch_size_for
 from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
 from batchpilot.memory.probes import emulate_capacity
 from batchpilot.policy.microbatch import efficient_size
+from batchpilot.train import ElasticBatchSampler, ElasticLoader
 
 
 def gpt_batch(n: int, seed: int = 0, pad_to: int | None = None) -> dict:

@@ -21,6 +21,7 @@ from batchpilot.core.compiled import (
     no_single_tail,
 )
 from batchpilot.memory.probes import track_peak
+from batchpilot.plan import estimate_peak_memory
 from batchpilot.train.engine import EngineConfig
 
 
@@ -147,8 +148,8 @@ def _finder(model, opt):
 
 def _planner(model, opt):
     x, y = _data(4)
-    eager = bp.estimate_peak_memory(Net(), (x, y), 64, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    est = bp.estimate_peak_memory(model, (x, y), 64, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    eager = estimate_peak_memory(Net(), (x, y), 64, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    est = estimate_peak_memory(model, (x, y), 64, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert est.peak_bytes == eager.peak_bytes  # the eager program's plan
     assert bp.plan_batch_size(model, (x, y), capacity="256KiB", optimizer=opt).batch_size > 1
 

@@ -1,8 +1,9 @@
 """The Coordinator protocol declares every member the engine uses; LocalCoordinator holds the defaults.
 
-``train/engine.py`` is read with ``ast``: every attribute it reads or calls on its coordinator
-(``self.coordinator.X``, or a local name bound to it) must be a member of :class:`Coordinator`,
-and nothing probes the coordinator with ``getattr`` / ``hasattr``.
+Every module of ``train/`` (the engine and the parts it composes) is read with ``ast``: every
+attribute it reads or calls on its coordinator (``self.coordinator.X``, or a local name bound to
+it) must be a member of :class:`Coordinator`, and nothing probes the coordinator with
+``getattr`` / ``hasattr``.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-import batchpilot.train.engine as engine_module
+import batchpilot.train as train_package
 from batchpilot.dist.coordinator import Coordinator, LocalCoordinator
 from batchpilot.dist.distributed import DistributedCoordinator
 from batchpilot.train.engine import Engine
 
-ENGINE = Path(engine_module.__file__)
+#: the engine and the parts it composes
+TRAIN = sorted(Path(train_package.__file__).parent.glob("*.py"))
 
 
 def _protocol_members() -> set[str]:
@@ -29,10 +31,11 @@ def _protocol_members() -> set[str]:
 
 
 def _is_coordinator(node: ast.AST, aliases: set[str]) -> bool:
-    """``self.coordinator`` (also ``engine.coordinator``), or a local name bound to it."""
+    """``self.coordinator`` (also ``engine.coordinator``), a parameter named ``coordinator``, or a local name bound
+    to it."""
     if isinstance(node, ast.Attribute) and node.attr == "coordinator":
         return True
-    return isinstance(node, ast.Name) and node.id in aliases
+    return isinstance(node, ast.Name) and (node.id == "coordinator" or node.id in aliases)
 
 
 def _uses(source: str) -> tuple[dict[str, list[int]], list[int]]:
@@ -53,20 +56,25 @@ def _uses(source: str) -> tuple[dict[str, list[int]], list[int]]:
 
 def test_the_scan_sees_uses_aliases_and_probes():
     code = ("def f(self):\n    self.coordinator.agree(1, 2)\n    coord = self.coordinator\n"
-            "    coord.total_count(3)\n    getattr(self.coordinator, 'bind', None)\n    hasattr(coord, 'x')\n")
+            "    coord.total_count(3)\n    getattr(self.coordinator, 'bind', None)\n    hasattr(coord, 'x')\n"
+            "def g(coordinator):\n    return hasattr(coordinator, 'sum_over_ranks') and coordinator.group\n")
     used, probes = _uses(code)
-    assert used == {"agree": [2], "total_count": [4]} and probes == [5, 6]
+    assert used == {"agree": [2], "total_count": [4], "group": [8]} and probes == [5, 6, 8]
 
 
 def test_every_member_the_engine_uses_is_declared_by_the_protocol():
-    used, probes = _uses(ENGINE.read_text())
-    assert probes == [], f"train/engine.py probes its coordinator with getattr/hasattr at lines {probes}"
-    undeclared = {name: lines for name, lines in used.items() if name not in _protocol_members()}
-    assert not undeclared, (f"train/engine.py uses {undeclared} on its coordinator (name: lines), which "
-                            "batchpilot.dist.coordinator.Coordinator does not declare; declare them there, "
-                            "with a default in LocalCoordinator")
+    assert {p.name for p in TRAIN} >= {"engine.py", "adapt.py", "lengths.py", "noise.py"}
+    every: set[str] = set()
+    for path in TRAIN:
+        used, probes = _uses(path.read_text())
+        assert probes == [], f"train/{path.name} probes its coordinator with getattr/hasattr at lines {probes}"
+        undeclared = {name: lines for name, lines in used.items() if name not in _protocol_members()}
+        assert not undeclared, (f"train/{path.name} uses {undeclared} on its coordinator (name: lines), which "
+                                "batchpilot.dist.coordinator.Coordinator does not declare; declare them there, "
+                                "with a default in LocalCoordinator")
+        every |= set(used)
     # the calls the brief of the protocol names: the scan really sees the engine's calls
-    assert {"agree", "agree_oom", "agree_micro_batch", "attempt", "bind", "find_batch_size"} <= set(used)
+    assert {"agree", "agree_oom", "agree_micro_batch", "attempt", "bind", "find_batch_size"} <= every
 
 
 def test_the_base_has_every_member_and_the_coordinators_derive_from_it():

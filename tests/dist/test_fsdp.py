@@ -168,10 +168,10 @@ def test_dtensor_sharding_propagation_allocates_nothing_under_an_emulated_capaci
     layer = fully_shard(nn.Linear(1024, 1024, bias=False), mesh=one_rank)
     before = layer.weight.full_tensor().clone()
     with emulate_capacity("5MiB", track=(layer,)) as probe:
-        start = probe.allocated()
+        start = probe.current()
         with torch.no_grad():
             layer.weight.add_(1.0)
-        assert probe.allocated() == probe.peak() == start == 4 * 2**20
+        assert probe.current() == probe.peak() == start == 4 * 2**20
     assert torch.equal(layer.weight.full_tensor(), before + 1)
 
 

@@ -386,12 +386,14 @@ def test_search_runs_the_built_step_under_another_search():
     calls = []
 
     def search(step, **kw):
-        calls.append(sorted(kw))
+        calls.append(kw)
         return find_batch_size_distributed(step, **kw)
 
     kw = dict(optimizer=opt, loss_fn=nn.CrossEntropyLoss(), capacity=CAPACITY)
     plan = find_batch_size_for(model, batch, search=search, **kw)
-    assert calls == [["capacity", "device", "objective", "restore"]]
+    # the search gets the step's device and what to restore, and every option in one FindOptions
+    assert [sorted(c) for c in calls] == [["device", "options", "restore"]]
+    assert calls[0]["options"].changed() == {"capacity": CAPACITY, "objective": "memory"}
     # no process group: the distributed search is the local one, rank 0 limiting
     assert plan.limited_by_rank == 0 and plan.batch_size == find_batch_size_for(model, batch, **kw).batch_size
 

@@ -80,7 +80,7 @@ def test_a_model_error_at_a_length_keeps_its_type_and_names_the_batch_size_and_l
 
 
 def test_the_length_note_advises_a_shorter_length_only_when_the_length_may_be_the_cause() -> None:
-    from batchpilot.find.lengths import length_note
+    from batchpilot.find.notes import length_note
 
     plain = "batchpilot: in the search at sequence length 32"
     assert length_note(32, [64], own=True) == plain  # 64 ran: 32 is not too long for the model
@@ -88,6 +88,24 @@ def test_the_length_note_advises_a_shorter_length_only_when_the_length_may_be_th
     assert length_note(300, [128, 256], own=True).startswith(
         "batchpilot: in the search at sequence length 300 (the longest length that ran is 256); if the model "
         "takes no sequences of 300 tokens")
+
+
+def test_a_length_search_note_follows_the_trial_note_and_advises_only_on_the_users_error() -> None:
+    from batchpilot.find.notes import note_length_search, note_trial_error
+    from batchpilot.policy.search import BatchSizeError
+
+    exc = IndexError("index out of range in self")
+    note_trial_error(exc, batch_size=8)
+    note_length_search(exc, 300, [128, 256])
+    assert exc.__notes__ == [
+        "batchpilot: raised by the step during a trial at batch size 8",
+        "batchpilot: in the search at sequence length 300 (the longest length that ran is 256); if the model takes "
+        "no sequences of 300 tokens (a position table, a max_length), cut batches to the longest it takes, and find "
+        "with lengths up to that",
+    ]
+    ours = BatchSizeError("the search measured fewer than two batch sizes")  # batchpilot's own: not the length's fault
+    note_length_search(ours, 300, [128, 256])
+    assert ours.__notes__ == ["batchpilot: in the search at sequence length 300"]
 
 
 def test_fit_lengths_sequences() -> None:

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
+from batchpilot.find.options import FindOptions
 from batchpilot.integrations import BatchSetup, SizingOptions
 from batchpilot.integrations._common import choose_batches
 from batchpilot.policy.search import BatchSizeError
 
-FRAMEWORKS = ("lightning", "transformers", "accelerate")
+FRAMEWORKS = ("lightning", "transformers", "accelerate", "lm_eval")
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,12 @@ def test_choose_batches_names_the_global_batches_that_would_use_the_memory(caplo
     assert "a global batch of 60 or 75 would use the memory fully" in caplog.text
 
 
+def _sizing(**kw):
+    """SizingOptions as every integration builds it: its own fields, and the finder's options as keywords."""
+    own = {k: kw.pop(k) for k in ("global_batch_size", "lr_base_size", "lr_rule") if k in kw}
+    return SizingOptions(**own, find=FindOptions.build(kw.pop("options", None), **kw))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -57,24 +64,36 @@ def test_choose_batches_names_the_global_batches_that_would_use_the_memory(caplo
         ({"capacity": "lots"}, BatchSizeError, "lots"),
         ({"strategy": "guess"}, BatchSizeError, "unknown strategy 'guess'"),
         ({"steps_per_trial": 0}, BatchSizeError, "steps_per_trial must be a positive int"),
-        ({"find_options": {"restore": ()}}, ValueError, "find_options may not set restore"),
-        ({"find_options": {"tolerence": 0.1}}, ValueError, "'tolerence', which find_batch_size does not take"),
-        ({"find_options": {"max_trials": 0}}, BatchSizeError, "max_trials must be a positive int"),
+        # the integration sets what to restore and the device itself: they are no finder options
+        ({"restore": ()}, BatchSizeError, "unknown finder option 'restore'"),
+        ({"tolerence": 0.1}, BatchSizeError, "unknown finder option 'tolerence'; did you mean 'tolerance'"),
+        ({"max_trials": 0}, BatchSizeError, "max_trials must be a positive int"),
+        ({"find_options": {"max_trials": 9}}, BatchSizeError, r"find_options= is not a finder option any more: "
+                                                                r"pass its keys as keywords"),
+        ({"options": {"max_trials": 9}}, BatchSizeError, "options must be a batchpilot.FindOptions, got dict"),
     ],
 )
 def test_sizing_options_are_checked_before_anything_runs(kwargs, error, match):
     with pytest.raises(error, match=match):
-        SizingOptions(**kwargs)
+        _sizing(**kwargs)
+
+
+def test_sizing_options_embed_the_finder_options_and_refuse_anything_else():
+    with pytest.raises(TypeError, match="find must be a batchpilot.FindOptions, got dict"):
+        SizingOptions(find={"max_trials": 9})
+    # changing only the batch size, as the peers' finders do, is the default
+    assert SizingOptions().lr_rule == "none" and SizingOptions().find == FindOptions()
 
 
 def test_sizing_options_give_the_finder_the_tighter_limit():
-    opts = SizingOptions(capacity="2MiB", max_batch_size=100, find_options={"max_trials": 9})
-    assert opts.capacity == 2 * 2**20
-    kw = opts.finder_kwargs(64)
-    assert kw == {"max_trials": 9, "target": 0.8, "capacity": 2 * 2**20, "strategy": "predict",
-                  "steps_per_trial": 2, "max_batch_size": 64}
-    assert opts.finder_kwargs(None)["max_batch_size"] == 100
-    assert SizingOptions().finder_kwargs(None)["max_batch_size"] is None
+    opts = _sizing(capacity="2MiB", max_batch_size=100, max_trials=9)
+    assert opts.find.capacity == 2 * 2**20
+    found = opts.finder_options(64)
+    assert found.changed() == {"max_trials": 9, "capacity": 2 * 2**20, "max_batch_size": 64}
+    assert (found.target, found.strategy, found.steps_per_trial) == (0.8, "predict", 2)
+    assert opts.finder_options(None).max_batch_size == 100
+    assert opts.find.max_batch_size == 100  # the options themselves are left as they were
+    assert SizingOptions().finder_options(None).max_batch_size is None
 
 
 def test_batch_setup_describes_itself_and_is_json():
@@ -102,7 +121,7 @@ def test_each_integration_names_the_extra_when_its_framework_is_missing():
             "    except ImportError as e:\n        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     lines = out.strip().splitlines()
-    assert len(lines) == 3
+    assert len(lines) == len(FRAMEWORKS)
     for name, line in zip(FRAMEWORKS, lines):
         assert line == (f"batchpilot.integrations.{name} needs {name}, which is not installed: "
                         f"pip install 'batchpilot[integrations]' (or pip install {name})")
@@ -111,11 +130,11 @@ def test_each_integration_names_the_extra_when_its_framework_is_missing():
 def test_each_integration_imports_without_the_other_two():
     present = [f for f in FRAMEWORKS if importlib.util.find_spec(f) is not None]
     if not present:
-        pytest.skip("needs lightning, transformers or accelerate: pip install -e '.[integrations]'")
+        pytest.skip("needs lightning, transformers, accelerate or lm_eval: pip install -e '.[integrations]'")
     # Each framework is imported first: what it imports of the others (Lightning looks for
-    # transformers) is its own business. Then the other two are made uninstalled (None in
+    # transformers) is its own business. Then the others are made uninstalled (None in
     # sys.modules) while batchpilot's module is imported. The Trainer needs Accelerate itself
-    # (transformers[torch] requires it), so only Lightning is blocked there.
+    # (transformers[torch] requires it), and lm-eval's HFLM both, so only Lightning is blocked there.
     code = f"""
 import importlib, sys
 frameworks = {FRAMEWORKS!r}
@@ -123,7 +142,8 @@ for name in {present!r}:
     importlib.import_module(name)
     if name == "transformers":
         import transformers.trainer
-    blocked = [f for f in frameworks if f != name and not (name == "transformers" and f == "accelerate")]
+    needs = {{"transformers": ("accelerate",), "lm_eval": ("transformers", "accelerate")}}.get(name, ())
+    blocked = [f for f in frameworks if f != name and f not in needs]
     saved = {{f: sys.modules.pop(f, None) for f in blocked}}
     sys.modules.update(dict.fromkeys(blocked))
     importlib.import_module("batchpilot.integrations." + name)

@@ -230,8 +230,9 @@ def test_a_module_without_the_batch_size_attribute_is_told_how_to_fix_it():
     ({"lr_rule": "cubic"}, "unknown lr_rule 'cubic'"),
     ({"global_batch_size": 0}, "global_batch_size must be a positive int"),
     ({"target": 1.5}, "target must be a fraction"),
-    ({"find_options": {"device": "cpu"}}, "find_options may not set device"),
-    ({"find_options": {"max_trails": 3}}, "find_batch_size does not take"),
+    ({"device": "cpu"}, "unknown finder option 'device'"),
+    ({"max_trails": 3}, "unknown finder option 'max_trails'; did you mean 'max_trials'"),
+    ({"find_options": {"max_trials": 3}}, "find_options= is not a finder option any more"),
     ({"micro_batch_size": 2.5}, "micro_batch_size must be a positive int"),
 ])
 def test_bad_options_fail_when_the_callback_is_built(kwargs, match):
@@ -270,7 +271,7 @@ def test_resilient_module_alone_searches_on_its_first_batch_and_resumes_from_a_c
     assert micro < 64  # 300 KiB does not hold a step at 64: the engine accumulates
     ckpt = tmp_path / "last.ckpt"
     t.save_checkpoint(ckpt)
-    assert torch.load(ckpt, weights_only=False)["batchpilot_engine"]["micro_batch_size"] == micro
+    assert torch.load(ckpt, weights_only=False)["batchpilot_engine"]["policy"]["micro"] == micro
     resumed = Net()
     t2 = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=tmp_path)

@@ -190,7 +190,7 @@ def test_configure_batch_size_holds_a_global_batch_and_scales_the_learning_rate(
     a = args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2)
     model = gpt2()
     setup = configure_batch_size(a, model, Tokens(ragged=True), data_collator=pad, global_batch_size=48,
-                                 capacity="3MiB")
+                                 capacity="3MiB", lr_rule="auto")
     found = setup.found_batch_size
     # the largest divisor of 48 that fits, and the accumulation that makes up 48
     assert setup.micro_batch_size == max(d for d in range(1, found + 1) if 48 % d == 0)
@@ -217,9 +217,12 @@ def test_configure_batch_size_holds_a_global_batch_and_scales_the_learning_rate(
 def test_configure_batch_size_without_a_global_batch_keeps_the_accumulation(tmp_path):
     a = args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
     batch = pad([Tokens()[i] for i in range(4)])  # an example batch: its rows are repeated to each size
-    setup = configure_batch_size(a, gpt2(), batch, capacity="2MiB", lr_rule="none", max_batch_size=64)
+    # the defaults change only the batch sizes (lr_rule="none"), as a peer's finder does, although
+    # the global batch moved from 6 to 3 x the size found
+    setup = configure_batch_size(a, gpt2(), batch, capacity="2MiB", max_batch_size=64)
     assert a.gradient_accumulation_steps == 3 and a.per_device_train_batch_size == setup.found_batch_size > 2
-    assert a.learning_rate == 1e-3 and setup.lr_factor == 1.0
+    assert setup.global_batch_size != 6
+    assert a.learning_rate == 1e-3 and setup.lr_factor == 1.0 and setup.lr_rule == "none"
 
 
 def _fits(b: int, capacity: int, a: TrainingArguments) -> bool:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchpilot.memory import gauge as gauge_mod
-from batchpilot.memory.gauge import DeviceGauge, HostGauge, TensorGauge, gauge_for
+from batchpilot.memory.gauge import AllocatorGauge, DeviceGauge, Gauge, HostGauge, TensorGauge, gauge_for
 from batchpilot.memory.host import HostLimits
-from batchpilot.memory.probes import emulate_capacity
+from batchpilot.memory.probes import emulate_capacity, emulated_capacity, get_probe, track_peak
 from batchpilot.memory.tracker import StorageTracker
 
 GiB, MiB = 2**30, 2**20
@@ -36,6 +36,18 @@ class FakeCuda:
     def allocate(self, n: int) -> None:
         self.reserved += n
         self.max_reserved = max(self.max_reserved, self.reserved)
+
+    def install_allocated(self, monkeypatch) -> None:
+        """The allocated-bytes figures too (here equal to reserved: no cached blocks) and the memory fraction."""
+        self.fractions: list[float] = []
+        # torch.accelerator's memory functions serve a real GPU's gauge, the backend module's the rest
+        for owner in (torch.cuda, getattr(torch, "accelerator", None)):
+            if owner is not None:
+                monkeypatch.setattr(owner, "memory_allocated", lambda d=None: self.reserved, raising=False)
+                monkeypatch.setattr(owner, "max_memory_allocated", lambda d=None: self.max_reserved, raising=False)
+                monkeypatch.setattr(owner, "reset_peak_memory_stats",
+                                    lambda d=None: setattr(self, "max_reserved", self.reserved), raising=False)
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: self.fractions.append(f))
 
 
 def test_cuda_is_judged_on_reserved_plus_everything_outside_pytorch(monkeypatch):
@@ -150,3 +162,48 @@ def test_without_a_limit_the_figure_is_the_resident_set(monkeypatch):
     gauge.reset()
     fake.grow(mapped=500 * MiB, resident=100 * MiB)
     assert gauge.current() == 300 * MiB and gauge.peak() == 400 * MiB
+
+
+def test_each_devices_probe_is_its_allocated_bytes_gauge():
+    cpu = get_probe("cpu")
+    assert isinstance(cpu, AllocatorGauge) and isinstance(cpu, Gauge) and get_probe("cpu") is cpu
+    with StorageTracker():
+        cpu.reset()
+        x = torch.empty(MiB // 4)
+        assert cpu.current() == cpu.peak() == MiB
+        del x
+        assert cpu.current() == 0 and cpu.peak() == MiB
+
+
+def test_the_emulated_cpu_capacity_is_the_running_trackers():
+    assert emulated_capacity("cpu") is None
+    with track_peak("cpu"):
+        assert emulated_capacity("cpu") is None  # a tracker that only counts emulates nothing
+        with emulate_capacity(4 * MiB) as probe:
+            assert emulated_capacity("cpu") == probe.capacity() == 4 * MiB
+        assert emulated_capacity("cpu") is None
+    with emulate_capacity("2MiB"):
+        assert emulated_capacity(torch.device("cpu")) == 2 * MiB
+    assert emulated_capacity("cpu") is None
+
+
+def test_an_emulated_cuda_capacity_is_recorded_while_it_runs(monkeypatch):
+    fake = FakeCuda(total=80 * GiB, other=3 * GiB)
+    fake.install(monkeypatch)
+    fake.install_allocated(monkeypatch)
+    dev = torch.device("cuda", 0)
+    assert emulated_capacity(dev) is None
+    with emulate_capacity(24 * GiB, "cuda:0") as probe:
+        assert probe is get_probe(dev) and probe.capacity() == 24 * GiB
+        assert emulated_capacity(dev) == 24 * GiB and fake.fractions == [0.3]
+        with emulate_capacity(8 * GiB, dev):  # nested: the inner one wins, then the outer is back
+            assert emulated_capacity(dev) == probe.capacity() == 8 * GiB
+        assert emulated_capacity(dev) == 24 * GiB and fake.fractions == [0.3, 0.1, 0.3]
+        with track_peak(dev) as m:
+            fake.allocate(GiB)
+        assert (m.start_bytes, m.peak_bytes, m.end_bytes, m.capacity) == (0, GiB, GiB, 24 * GiB)
+    assert emulated_capacity(dev) is None and probe.capacity() == 80 * GiB and fake.fractions[-1] == 1.0
+    with pytest.raises(ValueError, match="exceeds the device"):
+        with emulate_capacity(81 * GiB, dev):
+            pass
+    assert emulated_capacity(dev) is None

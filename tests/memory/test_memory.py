@@ -160,7 +160,7 @@ def test_a_slice_of_host_data_counts_like_its_clone():
     data = torch.utils.data.TensorDataset(X, torch.zeros(len(X), dtype=torch.long))
     with emulate_capacity(64 * 1024) as probe:
         xb, yb = next(iter(torch.utils.data.DataLoader(data, batch_size=16)))
-        assert probe.allocated() < 16 * 1024
+        assert probe.current() < 16 * 1024
     assert xb.shape == (16, 64)
 
 
@@ -171,11 +171,11 @@ def test_fake_tensors_beneath_the_tracker_are_never_charged():
 
     held = torch.ones(1000)
     with emulate_capacity("1MiB", track=(held,)) as probe:
-        start = probe.allocated()
+        start = probe.current()
         with FakeTensorMode():
             big = torch.empty(4 * 2**20)  # 16 MiB, fake
             (big * 2).sum()
-        assert probe.allocated() == probe.peak() == start == 4000
+        assert probe.current() == probe.peak() == start == 4000
         with pytest.raises(torch.OutOfMemoryError):  # real tensors are still limited
             torch.empty(4 * 2**20)
 
@@ -242,8 +242,8 @@ def test_probe_inside_tracker_is_exact():
     probe = get_probe("cpu")
     with track_peak("cpu"):
         a = torch.empty(1000)
-        assert probe.allocated() == 4000
-        probe.reset_peak()
+        assert probe.current() == 4000
+        probe.reset()
         b = torch.empty(10)
         assert probe.peak() == 4040
         del a, b

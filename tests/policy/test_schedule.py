@@ -212,8 +212,9 @@ def train(schedule, *, epochs: int, resume: dict | None = None, stop_at: int | N
         loader.set_batch_size(engine.per_rank_batch_size)
         start_epoch = resume["epoch"]
         saved, now = resume["engine"], engine.state_dict()
-        for key in ("global_batch_size", "samples", "last_batch_change", "noise", "steps", "micro_batch_size"):
+        for key in ("global_batch_size", "samples", "last_batch_change", "noise", "steps"):
             assert now[key] == saved[key], key  # the schedule and the EMAs continue where they were
+        assert now["policy"]["micro"] == saved["policy"]["micro"]  # and the micro-batch
     record = {"indices": [], "globals": [], "lrs": []}
     for epoch in range(start_epoch, epochs):
         loader.set_epoch(epoch)

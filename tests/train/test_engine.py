@@ -428,21 +428,23 @@ def test_state_dict_resumes_without_probing(monkeypatch):
         for _ in range(3):
             eng.step(next(data))
     state = eng.state_dict()
-    assert set(state) == {"version", "global_batch_size", "world_size", "micro_batch_size", "steps", "policy", "fit",
+    # the micro-batch is saved once, by its owner, the policy
+    assert set(state) == {"version", "global_batch_size", "world_size", "steps", "policy", "fit",
                           "scaler", "samples", "reference_batch_size", "last_batch_change", "micro_cap", "noise",
                           "schedule", "lengths"}
     assert state["lengths"] is None  # no lengths=: nothing to size by length
     assert (state["global_batch_size"], state["world_size"]) == (n, 1)
-    assert state["micro_batch_size"] < n and state["steps"] == 3
+    micro = state["policy"]["micro"]
+    assert micro == eng.micro_batch_size < n and state["steps"] == 3
     clean = state["policy"]["clean"]
 
     resumed = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
     monkeypatch.setattr(Engine, "_find_start", lambda *a: pytest.fail("resumed engine probed again"))
     resumed.load_state_dict(state)
-    assert resumed.micro_batch_size == state["micro_batch_size"]
+    assert resumed.micro_batch_size == micro
     with emulate_capacity(capacity, track=(model, opt)):
         r = resumed.step(next(data))
-    assert r.ooms == 0 and r.micro_batch_size == state["micro_batch_size"]
+    assert r.ooms == 0 and r.micro_batch_size == micro
     assert resumed.policy.clean == clean + 1 and resumed.steps == 4
     assert resumed.fit.sizes == eng.fit.sizes
 
@@ -451,3 +453,46 @@ def test_state_dict_resumes_without_probing(monkeypatch):
     smaller = Engine(model, opt, CE, global_batch_size=8)
     smaller.load_state_dict(state)
     assert smaller.micro_batch_size == 8  # clamped to the new global batch
+
+
+#: an engine state as version 2 wrote it (before the micro-batch had one home): the run of
+#: test_state_dict_resumes_without_probing, saved by that version after its third step
+STATE_V2 = {
+    "version": 2, "global_batch_size": 64, "world_size": 1, "micro_batch_size": 16, "steps": 3,
+    "policy": {"limit": 64, "micro": 16, "grow_after": 100, "backoff": 2.0, "max_wait": None, "wait": 100,
+               "clean": 1, "previous": None, "ceiling": None},
+    "fit": {"increase": [[64, 34096], [16, 20152]], "prior": None}, "scaler": None, "samples": 192,
+    "reference_batch_size": 64, "last_batch_change": 0, "micro_cap": None, "noise": None, "schedule": None,
+    "lengths": None,
+}
+
+
+def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
+    n = GLOBAL["mlp"]
+    assert n == STATE_V2["global_batch_size"]
+    capacity = peak_at("mlp", n, n // 2) - 1
+    model, opt = make("mlp")
+    data = batches(model, n, 4)
+    # the run that version 2 saved, trained again here: the state this version writes is the same
+    eng = Engine(model, opt, CE, global_batch_size=n, start=n, config=EngineConfig(grow_after=100))
+    with emulate_capacity(capacity, track=(model, opt)):
+        for _ in range(3):
+            eng.step(next(data))
+    now = eng.state_dict()
+    old = {k: v for k, v in STATE_V2.items() if k not in ("version", "micro_batch_size")}
+    assert now == {**old, "version": 3}
+
+    resumed = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
+    monkeypatch.setattr(Engine, "_find_start", lambda *a: pytest.fail("resumed engine probed again"))
+    resumed.load_state_dict(STATE_V2)
+    assert resumed.state_dict() == now  # every counter, the fit and the micro-batch, as saved
+    assert resumed.micro_batch_reason == "resumed from a checkpoint at micro-batch 16"
+    with emulate_capacity(capacity, track=(model, opt)):
+        r = resumed.step(next(data))
+    assert (r.ooms, r.micro_batch_size, resumed.policy.clean, resumed.steps) == (0, 16, 2, 4)
+
+    # a fixed micro-batch's version-2 state held it only at the top: an "auto" engine starts there
+    fixed_v2 = {**STATE_V2, "micro_batch_size": 8, "policy": None, "fit": {"increase": [], "prior": None}}
+    auto = Engine(model, opt, CE, global_batch_size=n)
+    auto.load_state_dict(fixed_v2)
+    assert auto.micro_batch_size == 8 and auto.policy.clean == 0

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-import batchpilot.train.engine as engine_mod
+import batchpilot.train.adapt as adapt_mod
 from batchpilot.app.models import MLP
 from batchpilot.memory.probes import emulate_capacity, track_peak
 from batchpilot.train.engine import Engine, EngineConfig
@@ -77,8 +77,8 @@ def test_pressure_shrinks_before_an_oom(peaks):
 
 def test_allocator_retries_count_as_pressure(monkeypatch):
     capacity = 10 * peak_at("mlp", N, N)
-    retries = iter([0, 0, 0, 3, 3, 3])  # the engine reads it when built and after every step
-    monkeypatch.setattr(engine_mod, "_alloc_retries", lambda device: next(retries))
+    retries = iter([0, 0, 0, 3, 3, 3])  # the micro-batcher reads it when built and after every step
+    monkeypatch.setattr(adapt_mod, "alloc_retries", lambda device: next(retries))
     model, opt = make("mlp")
     eng = Engine(model, opt, CE, global_batch_size=N, start=N, config=EngineConfig(grow_after=50))
     with emulate_capacity(capacity, track=(model, opt)):
@@ -141,7 +141,7 @@ def test_pressure_that_a_smaller_micro_batch_cannot_relieve_stops_shrinking(capl
     assert peaks[32] - peaks[16] < 0.05 * peaks[16]  # halving the micro-batch barely helps
     capacity = int(peaks[16] / 0.93)  # every micro-batch from 16 up is above a 0.9 high-water mark
     eng = Engine(model, opt, CE, global_batch_size=256, start=256, config=EngineConfig(high_water=0.9))
-    with caplog.at_level("WARNING", logger="batchpilot.train.engine"):
+    with caplog.at_level("WARNING", logger="batchpilot.train.adapt"):  # the micro-batch's own logger
         with emulate_capacity(capacity, track=(model, opt)):
             results = [eng.step(b) for b in batches(model, 256, 6)]
     sizes = [r.micro_batch_size for r in results]

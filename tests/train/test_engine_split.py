@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchpilot.find.options import FindOptions
 from batchpilot.find.result import BatchPlan
 from batchpilot.memory.probes import emulate_capacity
 from batchpilot.policy.search import Trial
@@ -121,7 +122,7 @@ def test_the_engines_own_finder_times_the_curve_and_the_split_follows_it(monkeyp
     ref_model, ref_opt = make("mlp")
     batch = next(batches(model, 64, 1))
     # the throughput search gives the finder's plan a dense curve; memory allows the whole batch
-    cfg = EngineConfig(find_options={"objective": "throughput"})
+    cfg = EngineConfig(find=FindOptions(objective="throughput"))
     eng = Engine(model, opt, clocked, global_batch_size=64, config=cfg)
     with emulate_capacity(1 << 30, track=(model, opt)):
         r = eng.step(batch)

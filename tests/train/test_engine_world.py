@@ -121,7 +121,7 @@ def test_state_keeps_the_global_batch_across_world_sizes(caplog):
     two = Engine(model, opt, CE, global_batch_size=N, start=N // 2, coordinator=World(2))
     two.step(next(batches(model, N // 2, 1)))
     state = two.state_dict()
-    assert (state["global_batch_size"], state["world_size"], state["micro_batch_size"]) == (N, 2, N // 2)
+    assert (state["global_batch_size"], state["world_size"], state["policy"]["micro"]) == (N, 2, N // 2)
 
     one = Engine(model, opt, CE, global_batch_size=N)  # the same global batch on one rank
     with caplog.at_level(logging.INFO, logger="batchpilot.train.engine"):

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..core.amp import AMP_MODES, amp_dtype, autocast
 from ..core.loss import supervised_loss
+from ..find.options import FindOptions, option_default
 from ..memory.oom import is_oom
 from ..memory.probes import emulate_capacity, get_probe, track_peak
 from ..memory.units import format_bytes, parse_bytes, resolve_device
@@ -136,9 +137,10 @@ class TrainConfig:
     clip_grad: float | None = None
     amp: str | None = None
     device: str | None = None
-    target: float = 0.8
+    # the finder's defaults, read from their one home
+    target: float = option_default("target")
     capacity: int | str | None = "auto"
-    strategy: str = "predict"
+    strategy: str = option_default("strategy")
     grow_after: int = 10
     squeeze_at: int | str | None = "auto"
     squeeze_steps: int | None = None
@@ -551,7 +553,7 @@ def run_training(config: TrainConfig) -> TrainResult:
             # engine's limit, and the engine must see the squeeze through the probe
             config=EngineConfig(
                 grow_after=config.grow_after,
-                find_options={"capacity": capacity, "strategy": config.strategy, "progress": config.progress},
+                find=FindOptions(capacity=capacity, strategy=config.strategy, progress=config.progress),
             ),
             noise=noise, schedule=schedule if scheduled else None,
         )

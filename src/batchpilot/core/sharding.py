@@ -14,7 +14,7 @@ from torch import nn
 
 from .ranks import group_size, is_distributed
 
-__all__ = ["fsdp_modules", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
+__all__ = ["fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -105,10 +105,24 @@ def shard_model(model: nn.Module, *, mesh: Any = None, blocks: Iterable[nn.Modul
     return model
 
 
+def fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of one ``fully_shard`` module (one per mesh), oldest torch first.
+
+    torch 2.13 keeps a list (``_fsdp_param_groups``, one group per mesh); torch 2.11 one group or
+    ``None`` (``_fsdp_param_group``): the H200 image runs 2.11, CI 2.13.
+    """
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _param_groups(model: nn.Module) -> list[Any]:
     groups = []
     for m in fsdp_modules(model):
-        groups += list(m._get_fsdp_state()._fsdp_param_groups)
+        groups += fsdp_param_groups(m)
     return groups
 
 

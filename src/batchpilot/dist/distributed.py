@@ -24,6 +24,7 @@ from torch import nn
 from ..core.ranks import default_device, group_size, is_distributed, known_rank, local_rank, rank, world_size
 from ..core.sharding import is_fsdp
 from ..find.finder import find_batch_size
+from ..find.options import option_default
 from ..find.result import BatchPlan
 from ..memory.oom import is_oom
 from ..policy.search import NothingFitsError
@@ -39,6 +40,7 @@ __all__ = [
     "default_device",
     "init_distributed",
     "all_reduce_int",
+    "all_reduce_ints",
     "agree_min_with_rank",
     "DistributedCoordinator",
     "find_batch_size_distributed",
@@ -123,10 +125,11 @@ def all_reduce_int(value: int, op: ReduceOp = "min", *, group: Any = None) -> in
         ValueError: ``op`` is not one of the three.
         RuntimeError: Called while an OOM exception is being handled (see the module docstring).
     """
-    return _all_reduce_ints([value], op, group=group)[0]
+    return all_reduce_ints([value], op, group=group)[0]
 
 
-def _all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any) -> list[int]:
+def all_reduce_ints(values: list[int], op: ReduceOp, *, group: Any = None) -> list[int]:
+    """:func:`all_reduce_int` of several integers in one collective (one reduction for all of them)."""
     if op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(_OPS)}, got {op!r}")
     _refuse_inside_oom_handler("an agreement (all-reduce)")
@@ -157,7 +160,7 @@ def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[
     if not is_distributed():
         return int(value), rank(), int(value), bool(flag)
     world = group_size(group)
-    encoded, negated, negated_flag = _all_reduce_ints(
+    encoded, negated, negated_flag = all_reduce_ints(
         [int(value) * world + dist.get_rank(group), -int(value), -int(bool(flag))], "min", group=group
     )
     # Python's floor division makes the decoding exact for negative values too.
@@ -396,6 +399,14 @@ class DistributedCoordinator(LocalCoordinator):
 # The finder on every rank
 
 
+def _min_batch_size(options: dict[str, Any]) -> int:
+    """The smallest size a search with these keywords considers (an override, ``options=``'s, or the default)."""
+    if "min_batch_size" in options:
+        return int(options["min_batch_size"])
+    base = options.get("options")
+    return int(base.min_batch_size if base is not None else option_default("min_batch_size"))
+
+
 # What a rank contributes to the agreement when its local search did not produce a size.
 _NOTHING_FITS = 0
 _FAILED = -1
@@ -445,7 +456,8 @@ def find_batch_size_distributed(
         restore: As :func:`~batchpilot.find.finder.find_batch_size`; DDP wrappers are unwrapped.
         group: The process group; ``None`` is the default group.
         **options: Any other keyword of :func:`~batchpilot.find.finder.find_batch_size` (``device``,
-            ``target``, ``capacity``, ``strategy``, ``max_batch_size``...).
+            ``target``, ``options``, and the fields of :class:`~batchpilot.find.options.FindOptions`:
+            ``capacity``, ``strategy``, ``max_batch_size``...).
 
     Raises:
         NothingFitsError: Not even the smallest batch fits on some rank (on every rank; the
@@ -487,7 +499,7 @@ def find_batch_size_distributed(
         raise NothingFitsError(
             f"nothing fits on rank {who} (see its log); every rank must fit the batch, so the job "
             "cannot run there as configured: use a smaller model, mixed precision or a larger device",
-            batch_size=int(options.get("min_batch_size", 1)), peak_bytes=None,
+            batch_size=_min_batch_size(options), peak_bytes=None,
             limit_bytes=plan.limit_bytes if plan is not None else 0,
             capacity_bytes=plan.capacity if plan is not None else 0,
         )

@@ -25,13 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.ranks import is_distributed
-from ..core.sharding import fsdp_modules, fsdp_roots, is_fsdp, reset_fsdp_state
+from ..core.sharding import fsdp_modules, fsdp_param_groups, fsdp_roots, is_fsdp, reset_fsdp_state
 from ..find.finder import find_batch_size
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.oom import Attempt, attempt, free_memory
 from ..memory.units import resolve_device
 from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, SearchSpace, Trial
-from .distributed import DistributedCoordinator, _all_reduce_ints
+from .distributed import DistributedCoordinator, all_reduce_ints
 
 try:  # FSDP2 is public from torch 2.6
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -139,7 +140,7 @@ def _install_ledger(model: nn.Module, ledger: _Ledger) -> int:
     """
     sizes = set()
     for m in fsdp_modules(model):
-        groups = m._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp_param_groups(m)
         if not groups:
             continue
         if len(groups) > 1:
@@ -286,7 +287,7 @@ class FSDPCoordinator(DistributedCoordinator):
         if self.world_size == 1:
             return
         self.collectives += 1
-        low, high = _all_reduce_ints([samples, -samples], "min", group=self.group)
+        low, high = all_reduce_ints([samples, -samples], "min", group=self.group)
         if low != -high:
             raise ValueError(
                 f"the ranks brought batches of {low} to {-high} samples to this step (this rank {samples}); "
@@ -442,12 +443,12 @@ class _Lockstep:
     def agree_space(self, space: SearchSpace) -> SearchSpace:
         """The smallest capacity and limit over ranks: one search for all of them."""
         self.own_limit = space.limit_bytes
-        cap, limit = _all_reduce_ints([space.capacity_bytes, space.limit_bytes], "min", group=self.coord.group)
+        cap, limit = all_reduce_ints([space.capacity_bytes, space.limit_bytes], "min", group=self.coord.group)
         return dataclasses.replace(space, capacity_bytes=cap, limit_bytes=limit)
 
     def agree_refusal(self, refused: bool) -> bool:
         """A trial one rank refuses (predicted to get it killed) is run by none."""
-        return bool(_all_reduce_ints([int(refused)], "max", group=self.coord.group)[0])
+        return bool(all_reduce_ints([int(refused)], "max", group=self.coord.group)[0])
 
     def begin(self) -> None:
         self.coord._ledger.begin()
@@ -492,7 +493,7 @@ class _Lockstep:
             # the least room under a rank's own limit, and the lowest rank that had it (MAX of -room)
             (-room) * world + (world - 1 - rank),
         ]
-        outcome, peak, start, tensor, bound, oom_rank, micros, tight = _all_reduce_ints(values, "max",
+        outcome, peak, start, tensor, bound, oom_rank, micros, tight = all_reduce_ints(values, "max",
                                                                                        group=coord.group)
         self.tightest[trial.batch_size] = world - 1 - tight % world
         kind = {v: k for k, v in _OUTCOMES.items()}[outcome]
@@ -535,7 +536,8 @@ def find_batch_size_fsdp(
         replay: ``replay(batch_size)`` running the collectives of one step of a trial at
             ``batch_size`` with one sample; it runs ``steps_per_trial`` times, as the trial's step
             does. Default ``step(min_batch_size)``.
-        **options: any other keyword of :func:`~batchpilot.find.finder.find_batch_size`.
+        **options: any other keyword of :func:`~batchpilot.find.finder.find_batch_size`: ``device``,
+            ``target``, ``options`` and the fields of :class:`~batchpilot.find.options.FindOptions`.
 
     Raises:
         ValueError: no ``fully_shard`` model was given (in ``restore``) to an unbound coordinator.
@@ -549,8 +551,11 @@ def find_batch_size_fsdp(
         if not models:
             raise ValueError("find_batch_size_fsdp needs the fully_shard model in restore=(model, optimizer)")
         coord.bind(models[0])
-    steps = int(options.get("steps_per_trial", 2))
-    smallest = int(options.get("min_batch_size", 1))
+    device = options.pop("device", None)
+    if options.get("target", 0) is None:  # find_batch_size's "the options' target"
+        del options["target"]
+    opts = FindOptions.build(options.pop("options", None), **options)
+    steps, smallest = opts.steps_per_trial, opts.min_batch_size
     one_step = replay if replay is not None else (lambda _batch_size: step(smallest))
 
     def replay_trial(batch_size: int) -> None:
@@ -558,9 +563,9 @@ def find_batch_size_fsdp(
         for _ in range(steps):
             one_step(batch_size)
 
-    lockstep = _Lockstep(coord, replay_trial, resolve_device(options.get("device")))
+    lockstep = _Lockstep(coord, replay_trial, resolve_device(device))
     try:
-        plan = find_batch_size(step, restore=items, lockstep=lockstep, **options)
+        plan = find_batch_size(step, device=device, restore=items, lockstep=lockstep, options=opts)
     except Exception as exc:
         explained = coord.explain(exc)
         if explained is None:

@@ -16,25 +16,23 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from .._checks import check_int, positive_int
 from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
-from ..memory.probes import emulate_capacity, get_probe, track_peak
+from ..memory.probes import emulate_capacity, emulated_capacity, track_peak
 from ..memory.tracker import active_tracker
-from ..memory.units import format_bytes, parse_bytes, resolve_device
+from ..memory.units import format_bytes, resolve_device
 from ..policy.search import (
     FIT,
     OOM,
     OVER_TARGET,
     REFUSED,
-    STRATEGIES,
     BatchSizeError,
     NothingFitsError,
     SearchPolicy,
@@ -48,18 +46,16 @@ from ..policy.search import (
     predict_peak,
     run_search,
 )
-from ..policy.speed import (
-    SPEED_TOLERANCE, check_objective, check_speed_tolerance, choose_fastest, fit_time, search_throughput, timed_fits,
-)
-from .result import BatchPlan, MemoryFit
+from ..policy.speed import choose_fastest, fit_time, search_throughput, timed_fits
 from .notes import note_trial_error
+from .options import FindOptions
+from .result import BatchPlan, MemoryFit
 from .snapshot import StateSnapshot
 from .timing import outside_trackers, step_clock, timed
 
 __all__ = [
     "BatchSizeError",
     "NothingFitsError",
-    "FinderConfig",
     "find_batch_size",
     "warm_up",
 ]
@@ -68,77 +64,6 @@ logger = logging.getLogger(__name__)
 
 # devices whose capacity memory.emulate_capacity can enforce
 _EMULATED = ("cpu", "cuda")
-#: timed steps per fitting trial by objective: one to report samples/s, three (the fastest
-#: counts) where the answer depends on them
-_TIMED_STEPS = {"memory": 1, "throughput": 3}
-
-
-@dataclass(kw_only=True)
-class FinderConfig:
-    """The options of :func:`find_batch_size`, validated before any trial runs.
-
-    Raises:
-        BatchSizeError: target outside (0, 1], ``min_batch_size > max_batch_size``,
-            a non-positive size or count, or an unknown strategy.
-    """
-
-    target: float = 0.8
-    capacity: int | str | None = None
-    strategy: str | SearchPolicy = "predict"
-    min_batch_size: int = 1
-    max_batch_size: int | None = None
-    steps_per_trial: int = 2
-    first_guess: int | None = None
-    max_trials: int = 25
-    progress: bool = False
-    tolerance: float | None = None
-    snapshot: Literal["auto", "memory", "disk"] = "auto"
-    objective: Literal["memory", "throughput"] = "memory"
-    speed_tolerance: float = SPEED_TOLERANCE
-    timed_steps: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
-            raise BatchSizeError(
-                f"target must be a fraction of device memory in (0, 1], got {self.target!r}; "
-                "0.6-0.8 leaves room for fragmentation and other processes"
-            )
-        if self.capacity is not None:
-            try:
-                self.capacity = parse_bytes(self.capacity)
-            except ValueError as exc:
-                raise BatchSizeError(str(exc)) from exc
-        if not isinstance(self.strategy, SearchPolicy) and self.strategy not in STRATEGIES:
-            raise BatchSizeError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        for name in ("min_batch_size", "steps_per_trial", "max_trials"):
-            positive_int(name, getattr(self, name), error=BatchSizeError)
-        for name in ("max_batch_size", "first_guess"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name), error=BatchSizeError)
-        if self.max_batch_size is not None and self.max_batch_size < self.min_batch_size:
-            raise BatchSizeError(
-                f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
-                "lower min_batch_size or raise max_batch_size (e.g. to the dataset length)"
-            )
-        if not isinstance(self.progress, bool):
-            raise BatchSizeError(f"progress must be True or False, got {self.progress!r}")
-        if self.tolerance is not None and not (
-            isinstance(self.tolerance, (int, float)) and not isinstance(self.tolerance, bool)
-            and 0 <= self.tolerance < 0.5
-        ):
-            raise BatchSizeError(f"tolerance must be a fraction in [0, 0.5) or None (auto), got {self.tolerance!r}")
-        if self.snapshot not in ("auto", "memory", "disk"):
-            raise BatchSizeError(f"snapshot must be 'auto', 'memory' or 'disk', got {self.snapshot!r}")
-        check_objective(self.objective, error=BatchSizeError)
-        self.speed_tolerance = check_speed_tolerance(self.speed_tolerance, error=BatchSizeError)
-        if self.timed_steps is None:
-            self.timed_steps = _TIMED_STEPS[self.objective]
-        elif self.objective == "throughput":
-            positive_int("timed_steps", self.timed_steps, " (the throughput objective needs timed steps)",
-                         error=BatchSizeError)
-        else:
-            check_int("timed_steps", self.timed_steps, minimum=0, error=BatchSizeError)
-
 
 def _progress_bar(enabled: bool, strategy: str) -> Any:
     if not enabled:
@@ -155,22 +80,11 @@ def find_batch_size(
     step: Callable[[int], Any],
     *,
     device: torch.device | str | int | None = None,
-    target: float = 0.8,
-    capacity: int | str | None = None,
-    strategy: str | SearchPolicy = "predict",
-    min_batch_size: int = 1,
-    max_batch_size: int | None = None,
-    steps_per_trial: int = 2,
+    target: float | None = None,
     restore: Iterable[Any] = (),
-    first_guess: int | None = None,
-    max_trials: int = 25,
-    progress: bool = False,
-    tolerance: float | None = None,
-    snapshot: Literal["auto", "memory", "disk"] = "auto",
-    objective: Literal["memory", "throughput"] = "memory",
-    speed_tolerance: float = SPEED_TOLERANCE,
-    timed_steps: int | None = None,
+    options: FindOptions | None = None,
     lockstep: Any = None,
+    **overrides: Any,
 ) -> BatchPlan:
     """Find the largest batch size whose step peaks at or under ``target × capacity`` (or the fastest one).
 
@@ -202,52 +116,35 @@ def find_batch_size(
     Args:
         step: runs one full step (forward, backward, optimizer step) at a batch size.
         device: the device whose memory is measured; default the current accelerator, else CPU.
-        target: fraction of the capacity the peak may use, in (0, 1].
-        capacity: device memory in bytes or as a string (``"24GiB"``) to emulate; default the
-            device's real memory.
-        strategy: ``"predict"``, ``"power"``, ``"binsearch"``, ``"decay"`` or a
-            :class:`~batchpilot.policy.search.SearchPolicy`.
-        min_batch_size: the smallest size to consider.
-        max_batch_size: the largest size to consider (e.g. the dataset length).
-        steps_per_trial: steps per trial; 2 puts lazily created optimizer state
-            (Adam's moments) inside the measured peak.
+        target: fraction of the capacity the peak may use, in (0, 1]; ``None``: ``options``'s
+            (default 0.8, :class:`~batchpilot.find.options.FindOptions`).
         restore: modules, optimizers, LR schedulers, GradScalers or tensors to
             snapshot and restore bit for bit; their tensors also count as
             memory in use at the start of each trial.
-        first_guess: a size to try first (e.g. from the planner); the start of
-            power / binsearch / decay.
-        max_trials: stop after this many trials, keeping the best so far.
-        progress: show a tqdm progress bar (if tqdm is installed).
-        tolerance: ``predict`` stops once the answer is within this fraction of the boundary;
-            ``None``: exact (0) on emulated tensor bytes, 0.02 on real memory, whose peaks
-            move by more than one sample between runs.
-        snapshot: where the ``restore`` copies live: ``"memory"``, ``"disk"`` (a temporary
-            file, so they do not compete with the job's memory), or ``"auto"``: disk on a
-            real CPU when they are 5% of the memory the job can still grow into, or more.
-        objective: ``"memory"``: the largest batch that fits; ``"throughput"``: the smallest
-            fitting batch within ``speed_tolerance`` of the best measured samples/s.
-        speed_tolerance: the share of the best samples/s ``"throughput"`` may give up, in [0, 0.5).
-        timed_steps: steps timed per fitting trial after the memory steps' warm-up; ``None``:
-            1 for ``"memory"`` (0 times nothing), 3 for ``"throughput"``.
+        options: the finder's options (:class:`~batchpilot.find.options.FindOptions`); default
+            every option at its default.
         lockstep: ranks that must run the same trials (FSDP2): the agreement hooks of
             :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, which passes them; leave it ``None``.
+        **overrides: other options: the fields of :class:`~batchpilot.find.options.FindOptions`
+            (``capacity``, ``strategy``, ``min_batch_size``, ``max_batch_size``,
+            ``steps_per_trial``, ``first_guess``, ``max_trials``, ``progress``, ``tolerance``,
+            ``snapshot``, ``objective``, ``speed_tolerance``, ``timed_steps``), each in place of
+            ``options``'s value.
 
     Returns:
         A :class:`BatchPlan`.
 
     Raises:
-        BatchSizeError: invalid options (raised before any trial).
+        BatchSizeError: invalid options, or a keyword that is no option (the closest named),
+            raised before any trial.
         NothingFitsError: even ``min_batch_size`` does not fit; the message gives
             its peak and the capacity.
         Exception: any non-OOM error of ``step`` propagates unchanged, after the
             state is restored.
     """
-    cfg = FinderConfig(
-        target=target, capacity=capacity, strategy=strategy, min_batch_size=min_batch_size,
-        max_batch_size=max_batch_size, steps_per_trial=steps_per_trial, first_guess=first_guess,
-        max_trials=max_trials, progress=progress, tolerance=tolerance, snapshot=snapshot, objective=objective,
-        speed_tolerance=speed_tolerance, timed_steps=timed_steps,
-    )
+    if target is not None:
+        overrides["target"] = target
+    cfg = FindOptions.build(options, **overrides).resolved()
     if lockstep is not None and cfg.objective == "throughput":
         # its extra timings run on each rank alone: sharded ranks would wait in each other's collectives
         raise BatchSizeError("objective='throughput' is not available for ranks in lockstep (FSDP2); "
@@ -433,7 +330,7 @@ def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace,
 # -- speed: the hook of batchpilot.policy.speed into the search -------------------------------------------
 
 
-def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: FinderConfig) -> tuple[int | None, str]:
+def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: FindOptions) -> tuple[int | None, str]:
     """The batch size the objective picks among the trials, and why."""
     if largest is None:
         return None, ""
@@ -563,10 +460,7 @@ _KILL_MARGIN = 0.02
 
 def _ambient_capacity(device: torch.device) -> int | None:
     """The capacity of an emulation already running for ``device`` (the caller's), if any."""
-    if device.type == "cpu":
-        tr = active_tracker(device)
-        return None if tr is None else tr.capacity
-    return getattr(get_probe(device), "_capacity_override", None)
+    return emulated_capacity(device)
 
 
 def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:

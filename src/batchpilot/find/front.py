@@ -27,8 +27,8 @@ from ..memory.gauge import gauge_for
 from ..memory.tracker import view_extent
 from ..memory.units import format_bytes, resolve_device
 from ..policy.search import BatchSizeError
-from ..policy.speed import check_objective
-from .finder import _EMULATED, FinderConfig, _ambient_capacity, find_batch_size
+from .finder import _EMULATED, _ambient_capacity, find_batch_size
+from .options import FindOptions
 from .result import BatchPlan
 
 __all__ = ["find_batch_size_for"]
@@ -52,11 +52,13 @@ def find_batch_size_for(
     plan_first: bool = False,
     shared: str | Iterable[str] | None = None,
     split_fn: SplitFn | None = None,
-    objective: Literal["memory", "throughput"] | None = None,
     search: Callable[..., BatchPlan] | None = None,
     lengths: Iterable[int] | None = None,
     seq_dim: int | None = None,
-    **options: Any,
+    device: torch.device | str | int | None = None,
+    target: float | None = None,
+    options: FindOptions | None = None,
+    **overrides: Any,
 ) -> BatchPlan:
     """Find the batch size for a model without writing the step.
 
@@ -86,12 +88,8 @@ def find_batch_size_for(
         shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.core.batch`).
         split_fn: ``split_fn(batch, start, stop)`` cutting the example batch yourself; the
             search then stays within the example's size.
-        objective: ``"memory"`` (the largest batch that fits) or ``"throughput"`` (the smallest
-            about as fast, see :func:`find_batch_size`); ``None``: ``"throughput"`` for
-            ``mode="eval"``, where the batch is only a speed knob, ``"memory"`` for training,
-            where it is a hyperparameter that should not move with the machine's load.
         search: the search the step runs under, called as ``search(step, device=, restore=,
-            **options)``: :func:`find_batch_size` (default), or
+            options=)``: :func:`find_batch_size` (default), or
             :func:`batchpilot.dist.distributed.find_batch_size_distributed` to agree across ranks.
         lengths: sequence lengths to answer for (padded LM batches): a real search runs at two
             or three of them (those within 8× of the longest: see
@@ -103,25 +101,38 @@ def find_batch_size_for(
         seq_dim: the dimension of the example batch that holds the tokens (with ``lengths``;
             ``None``: 1). On a compiled model it is marked dynamic with the batch dimension, so
             the searches at several lengths share one graph.
-        **options: any keyword of :func:`find_batch_size` (``target``, ``capacity``, …).
+        device: the device measured; default the model's.
+        target: fraction of the capacity the peak may use, as for :func:`find_batch_size`.
+        options: the finder's options (:class:`~batchpilot.find.options.FindOptions`).
+        **overrides: other options: the fields of :class:`~batchpilot.find.options.FindOptions`
+            (``capacity``, ``max_batch_size``, ``objective``, …), each in place of ``options``'s
+            value. ``objective=None`` (the default) is ``"throughput"`` for ``mode="eval"``, where
+            the batch is only a speed knob, and ``"memory"`` for training, where it is a
+            hyperparameter that should not move with the machine's load.
 
     Raises:
         ValueError: unknown mode, training without an optimizer or loss, a criterion with
             ``reduction='none'``, an example batch the rules cannot read, or a model sharded with
             ``fully_shard`` over several ranks (whose trials must run in lockstep:
             :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, or the engine's ``"auto"`` start).
-        BatchSizeError: as :func:`find_batch_size`, or ``plan_first`` with a ``first_guess``.
+        BatchSizeError: as :func:`find_batch_size` (an unknown option among them, before any work),
+            or ``plan_first`` with a ``first_guess``.
         NothingFitsError: as :func:`find_batch_size`.
     """
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    if target is not None:
+        overrides["target"] = target
+    # bad options fail here, before any work; the mode decides an objective left open
+    opts = FindOptions.build(options, **overrides)
+    opts = FindOptions.build(opts, objective=opts.objective or _DEFAULT_OBJECTIVE[mode])
     if lengths is not None:  # one search per fitted length, each through this function
         from .lengths import find_per_length
 
         return find_per_length(
             find_batch_size_for, model, batch, lengths=lengths, seq_dim=seq_dim, optimizer=optimizer,
             loss_fn=loss_fn, mode=mode, amp=amp, scaler=scaler, restore=restore, plan_first=plan_first,
-            shared=shared, split_fn=split_fn, objective=objective, search=search, **options,
+            shared=shared, split_fn=split_fn, search=search, device=device, options=opts,
         )
     if _sharded_over_ranks(model):
         raise ValueError(
@@ -129,8 +140,6 @@ def find_batch_size_for(
             "leave the others waiting in a collective. Use batchpilot.dist.fsdp.find_batch_size_fsdp (trials in "
             "lockstep), or Engine(micro_batch_size='auto'), which does"
         )
-    options["objective"] = check_objective(objective if objective is not None else _DEFAULT_OBJECTIVE[mode],
-                                           error=BatchSizeError)
     dtype = _amp_dtype(amp)
     if mode == "train" and optimizer is None:
         raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
@@ -141,22 +150,22 @@ def find_batch_size_for(
     make = make_batch_fn(batch, layout)
     if layout is not None and layout.split_fn is not None and not callable(batch):
         most = batch_size_of(batch, layout)
-        if options.get("max_batch_size") is None or options["max_batch_size"] > most:
+        if opts.max_batch_size is None or opts.max_batch_size > most:
             logger.info("split_fn cuts the example batch: searching up to its %d samples", most)
-            options["max_batch_size"] = most
+            opts = FindOptions.build(opts, max_batch_size=most)
     params = list(model.parameters())
-    device = options.pop("device", params[0].device if params else None)
+    if device is None:
+        device = params[0].device if params else None
     dev = resolve_device(device)
     targets = list(restore) if restore is not None else [model, optimizer, scaler]
     step = _train_step(model, optimizer, loss, dtype, scaler, dev) if mode == "train" else None
     seed = None
     if plan_first:
-        if options.get("first_guess") is not None:
+        if opts.first_guess is not None:
             raise BatchSizeError("pass first_guess or plan_first=True, not both: the plan is a first guess")
-        cfg = FinderConfig(**options)  # bad options fail here, before the planning pass
         seed = _plan_seed(model, batch, optimizer=optimizer, loss_fn=loss, mode=mode, amp=dtype,
-                          layout=layout, cfg=cfg, device=dev)
-        options["first_guess"] = seed.batch_size
+                          layout=layout, cfg=opts, device=dev)
+        opts = FindOptions.build(opts, first_guess=seed.batch_size)
 
     # dim 0 (and the tokens' dim) dynamic from the first compilation: one graph for every trial size
     dynamic = (lambda data: mark_batch_dynamic(data, layout, seq_dim=seq_dim)) if is_compiled(model) \
@@ -177,12 +186,12 @@ def find_batch_size_for(
         flags = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
-            plan = run(eval_step, device=device, restore=targets, **options)
+            plan = run(eval_step, device=device, restore=targets, options=opts)
         finally:
             for m, flag in flags:
                 m.training = flag
     else:
-        plan = run(train_step, device=device, restore=targets, **options)
+        plan = run(train_step, device=device, restore=targets, options=opts)
     if seed is not None:
         plan.plan_seconds = seed.seconds
         plan.seconds += seed.seconds
@@ -280,7 +289,7 @@ def _plan_seed(
     mode: str,
     amp: torch.dtype | None,
     layout: BatchLayout | None,
-    cfg: FinderConfig,
+    cfg: FindOptions,
     device: torch.device,
 ) -> _Seed:
     """One planning pass for the limit the finder will measure against.

@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from .._checks import add_note
 from ..core.seqbatch import length_batch_fn
 from ..policy.lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
 from ..policy.search import BatchSizeError
+from .notes import note_length_search
 from .result import BatchPlan
 
-__all__ = ["LengthPlan", "find_per_length", "length_note"]
+__all__ = ["LengthPlan", "find_per_length"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +69,6 @@ class LengthPlan(BatchPlan):
         return out
 
 
-def length_note(length: int, ran: list[int], *, own: bool) -> str:
-    """The note on an error raised in a search at ``length``; ``own``: the user's step raised it.
-
-    ``ran`` are the lengths whose searches ran; a model that takes no sequences this long (a
-    position table, a ``max_length``) gets advice that names none longer than those.
-    """
-    note = f"batchpilot: in the search at sequence length {length}"
-    if not own or any(L > length for L in ran):  # a longer length ran: not the length's fault
-        return note
-    longest = f"the longest length that ran is {max(ran)}" if ran else "no length ran before it"
-    return (f"{note} ({longest}); if the model takes no sequences of {length} tokens (a position table, a "
-            "max_length), cut batches to the longest it takes, and find with lengths up to that")
-
-
 def _fitting(plan: BatchPlan) -> int:
     return int(plan.largest_fitting or plan.batch_size)
 
@@ -112,7 +98,7 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
         try:
             plans[L] = find(model, at_length(L), seq_dim=token_dim, **kwargs)
         except Exception as exc:
-            add_note(exc, length_note(L, sorted(plans), own=not isinstance(exc, BatchSizeError)))
+            note_length_search(exc, L, sorted(plans))
             raise
         logger.info("length %d: batch %d in %d trials", L, plans[L].batch_size, plans[L].num_trials)
     lines = {}
@@ -130,6 +116,7 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
     base["compilations"] = sum(p.compilations for p in plans.values())
     out = LengthPlan(**base, length_fit=fit, length_plans=plans,
                      seq_dim=None if functional else (seq_dim or 1))
-    budget = out.budget(kwargs.get("max_batch_size"))
+    options = kwargs.get("options")
+    budget = out.budget(None if options is None else options.max_batch_size)
     out.per_length = budget.table(asked)
     return out

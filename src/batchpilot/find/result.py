@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from ..policy.search import OOM, Trial
 from ..policy.speed import SPEED_TOLERANCE, TimeFit, timed_fits
+from .options import option_default
 
 __all__ = ["MemoryFit", "BatchPlan"]
 
@@ -91,7 +92,7 @@ class BatchPlan:
     fit: MemoryFit | None = None
     seconds: float = 0.0
     stop_reason: str = "boundary"
-    steps_per_trial: int = 2
+    steps_per_trial: int = option_default("steps_per_trial")
     limited_by_rank: int | None = None
     first_guess: int | None = None
     seeded_by: Literal["plan"] | None = None

@@ -1,4 +1,4 @@
-"""batchpilot where people already train: Lightning, Hugging Face ``Trainer`` and Accelerate.
+"""batchpilot where people already train and evaluate: Lightning, Hugging Face ``Trainer``, Accelerate, lm-eval.
 
 Each integration is its own module and imports only its own framework, on first use:
 
@@ -9,9 +9,11 @@ Each integration is its own module and imports only its own framework, on first 
   ``continuous_batching_config`` sizes ``generate_batch``'s paged cache for the memory limit that
   applies (:mod:`batchpilot.integrations.continuous`);
 - :mod:`batchpilot.integrations.accelerate`: a drop-in ``find_executable_batch_size`` with the
-  finder's search and agreement between ranks.
+  finder's search and agreement between ranks;
+- :mod:`batchpilot.integrations.lm_eval`: ``BatchpilotLM``, lm-evaluation-harness's ``HFLM`` with
+  batches sized by length, registered as the model ``batchpilot``.
 
-``pip install 'batchpilot[integrations]'`` installs the three frameworks at the versions tested.
+``pip install 'batchpilot[integrations]'`` installs the four frameworks at the versions tested.
 Importing this package imports none of them.
 """
 
@@ -22,9 +24,9 @@ from types import ModuleType
 
 from ._common import BatchSetup, SizingOptions
 
-__all__ = ["BatchSetup", "SizingOptions", "lightning", "transformers", "accelerate"]
+__all__ = ["BatchSetup", "SizingOptions", "lightning", "transformers", "accelerate", "lm_eval"]
 
-_MODULES = ("lightning", "transformers", "accelerate")
+_MODULES = ("lightning", "transformers", "accelerate", "lm_eval")
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
 
 from .._checks import positive_int
-from ..find.finder import FinderConfig
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..policy.microbatch import efficient_size
 from ..policy.schedule import LR_SCALE_RULES
@@ -19,9 +19,6 @@ from ..train.batching import BatchConfig, config_for_limit, is_adaptive
 __all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "lr_rule_for"]
 
 logger = logging.getLogger(__name__)
-
-#: keywords of find_batch_size that an integration sets itself
-_OWNED = ("device", "restore", "max_batch_size", "target", "capacity", "strategy", "steps_per_trial")
 
 
 def require(module: str, extra_hint: str) -> ModuleType:
@@ -50,33 +47,23 @@ class SizingOptions:
             learning rate follows by ``lr_rule``).
         lr_base_size: the global batch the learning rate was tuned for; ``None``: the global batch
             the job was configured with before sizing.
-        lr_rule: how the learning rate follows the global batch: ``"auto"`` (sqrt for Adam-like
-            optimizers, linear otherwise), ``"linear"``, ``"sqrt"`` or ``"none"``
+        lr_rule: how the learning rate follows the global batch: ``"none"`` (default: the learning
+            rate is left as configured, as the peers' finders do), ``"auto"`` (sqrt for Adam-like
+            optimizers, linear otherwise), ``"linear"`` or ``"sqrt"``
             (:func:`batchpilot.train.batching.scale_lr`).
-        target: fraction of the device memory a trial's peak may use, in (0, 1].
-        capacity: device memory to size for (bytes or ``"24GiB"``); default the device's own.
-        strategy: the finder's search: ``"predict"``, ``"binsearch"``, ``"power"`` or ``"decay"``.
-        max_batch_size: the largest per-device batch to try; the integration also caps it at the
+        find: the finder's options (:class:`~batchpilot.find.options.FindOptions`); the integration
+            sets the device and what to restore itself, and caps ``max_batch_size`` at the
             per-rank batch and at the dataset's length.
-        steps_per_trial: training steps per trial (2 puts the optimizer state in the peak).
-        find_options: any other keyword of :func:`batchpilot.find.finder.find_batch_size`
-            (``max_trials``, ``tolerance``, ...).
 
     Raises:
-        ValueError: a size that is not a positive int, an unknown ``lr_rule``, or a keyword of
-            ``find_options`` that the fields above set.
-        batchpilot.policy.search.BatchSizeError: a target, capacity, strategy or count the finder refuses.
+        ValueError: a size that is not a positive int, or an unknown ``lr_rule``.
+        TypeError: ``find`` is not a :class:`~batchpilot.find.options.FindOptions`.
     """
 
     global_batch_size: int | None = None
     lr_base_size: int | None = None
-    lr_rule: str = "auto"
-    target: float = 0.8
-    capacity: int | str | None = None
-    strategy: str = "predict"
-    max_batch_size: int | None = None
-    steps_per_trial: int = 2
-    find_options: dict[str, Any] = field(default_factory=dict)
+    lr_rule: str = "none"
+    find: FindOptions = field(default_factory=FindOptions)
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "lr_base_size"):
@@ -84,30 +71,13 @@ class SizingOptions:
                 positive_int(name, getattr(self, name))
         if self.lr_rule not in LR_SCALE_RULES:
             raise ValueError(f"unknown lr_rule {self.lr_rule!r}; use one of {', '.join(LR_SCALE_RULES)}")
-        known = {f.name for f in fields(FinderConfig)}
-        unknown = sorted(set(self.find_options) - known - set(_OWNED))
-        if unknown:
-            raise ValueError(
-                f"find_options has {', '.join(map(repr, unknown))}, which find_batch_size does not take; "
-                f"it takes {', '.join(sorted(known - set(_OWNED)))}"
-            )
-        clash = sorted(set(self.find_options) & set(_OWNED))
-        if clash:
-            raise ValueError(
-                f"find_options may not set {', '.join(clash)}: pass them as arguments of their own "
-                "(the integration sets the device and what to restore itself)"
-            )
-        # the finder's own validation, before any trial (BatchSizeError names the fix)
-        checked = FinderConfig(target=self.target, capacity=self.capacity, strategy=self.strategy,
-                               max_batch_size=self.max_batch_size, steps_per_trial=self.steps_per_trial,
-                               **self.find_options)
-        self.capacity = checked.capacity
+        if not isinstance(self.find, FindOptions):
+            raise TypeError(f"find must be a batchpilot.FindOptions, got {type(self.find).__name__}")
 
-    def finder_kwargs(self, limit: int | None) -> dict[str, Any]:
-        """Keywords for the finder, with ``max_batch_size`` the smaller of the option and ``limit``."""
-        caps = [c for c in (self.max_batch_size, limit) if c is not None]
-        return dict(self.find_options, target=self.target, capacity=self.capacity, strategy=self.strategy,
-                    steps_per_trial=self.steps_per_trial, max_batch_size=min(caps) if caps else None)
+    def finder_options(self, limit: int | None) -> FindOptions:
+        """The finder's options, with ``max_batch_size`` the smaller of the option's and ``limit``."""
+        caps = [c for c in (self.find.max_batch_size, limit) if c is not None]
+        return FindOptions.build(self.find, max_batch_size=min(caps) if caps else None)
 
 
 @dataclass(kw_only=True, frozen=True)

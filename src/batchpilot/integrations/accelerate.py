@@ -23,6 +23,7 @@ import torch
 from .._checks import positive_int
 from ..core.ranks import default_device, world_size
 from ..dist.distributed import find_batch_size_distributed
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.oom import attempt
 from ..train.batching import BatchConfig
@@ -137,12 +138,8 @@ def find_executable_batch_size(
     reduce_batch_size_fn: Callable[[], int] | None = None,
     *,
     global_batch_size: int | None = None,
-    steps_per_trial: int = 2,
-    target: float = 0.8,
-    capacity: int | str | None = None,
-    strategy: str = "predict",
-    min_batch_size: int = 1,
-    find_options: dict[str, Any] | None = None,
+    options: FindOptions | None = None,
+    **overrides: Any,
 ) -> Callable[..., Any]:
     """Drop-in for ``accelerate.utils.find_executable_batch_size``: search, agree across ranks, then run.
 
@@ -183,12 +180,18 @@ def find_executable_batch_size(
         global_batch_size: samples per optimizer step over all ranks, to be held by accumulation.
         reduce_batch_size_fn: Accelerate's hook for the next size after an OOM; batchpilot's search
             picks every size, so it is refused rather than ignored.
-        steps_per_trial: optimizer steps per trial (2 puts the optimizer state in the peak).
-        target, capacity, strategy, min_batch_size, find_options: the finder's options
-            (:class:`batchpilot.integrations.SizingOptions`).
+        options: the finder's options (:class:`batchpilot.FindOptions`). ``steps_per_trial`` is
+            the optimizer steps a trial call runs (2 puts the optimizer state in the peak);
+            ``max_batch_size`` is ``starting_batch_size`` by another name (give one); ``timed_steps``
+            is 0 unless set: a trial is one call of the whole function, set-up included.
+        **overrides: other options: the fields of :class:`batchpilot.FindOptions` (``target``,
+            ``capacity``, ``strategy``, ``min_batch_size``, ``steps_per_trial``, ...), each in place
+            of ``options``'s value.
 
     Raises:
-        ValueError: ``reduce_batch_size_fn`` given, or invalid options (when decorating).
+        ValueError: ``reduce_batch_size_fn`` given, ``starting_batch_size`` and a different
+            ``max_batch_size``, or invalid options, among them ``BatchSizeError`` for a keyword
+            that is no finder option (when decorating).
         TypeError: the batch size passed by the caller as well.
         batchpilot.policy.search.NothingFitsError: not even ``min_batch_size`` fits (on some rank).
         torch.OutOfMemoryError: the final run ran out of memory on several processes.
@@ -200,21 +203,23 @@ def find_executable_batch_size(
         )
     if starting_batch_size is not None:
         positive_int("starting_batch_size", starting_batch_size)
-    positive_int("steps_per_trial", steps_per_trial)
-    extra = dict(find_options or {})
-    extra.setdefault("min_batch_size", min_batch_size)
+    find = FindOptions.build(options, **overrides)
+    if starting_batch_size is None:
+        starting_batch_size = find.max_batch_size
+    elif find.max_batch_size not in (None, starting_batch_size):
+        raise ValueError(f"starting_batch_size={starting_batch_size} and max_batch_size={find.max_batch_size} "
+                         "disagree: both are the largest size to try; give one")
+    steps_per_trial, min_batch_size, target = find.steps_per_trial, find.min_batch_size, find.target
     # a trial is one call of the whole function, set-up included: timing another call would
-    # charge the set-up to the step and run the function twice per trial
-    extra.setdefault("timed_steps", 0)
-    # the function runs steps_per_trial optimizer steps inside one call: one call per trial
-    opts = SizingOptions(global_batch_size=global_batch_size, target=target, capacity=capacity, strategy=strategy,
-                         max_batch_size=starting_batch_size, steps_per_trial=1, find_options=extra)
+    # charge the set-up to the step and run the function twice per trial. The function runs
+    # steps_per_trial optimizer steps inside one call: one call per trial
+    opts = SizingOptions(global_batch_size=global_batch_size, find=FindOptions.build(
+        find, max_batch_size=starting_batch_size, steps_per_trial=1,
+        timed_steps=0 if find.timed_steps is None else find.timed_steps,
+    ))
     if function is None:
-        return functools.partial(
-            find_executable_batch_size, starting_batch_size=starting_batch_size, global_batch_size=global_batch_size,
-            steps_per_trial=steps_per_trial, target=target, capacity=capacity, strategy=strategy,
-            min_batch_size=min_batch_size, find_options=find_options,
-        )
+        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
+                                 global_batch_size=global_batch_size, options=find)
     params = list(inspect.signature(function).parameters)
 
     @functools.wraps(function)
@@ -299,10 +304,10 @@ def _search(function: Callable[..., Any], args: tuple, kwargs: dict, opts: Sizin
                 return
         short.append((size, t.done))
 
-    options = opts.finder_kwargs(limit)
+    options = opts.finder_options(limit)
     if sizes is not None:
-        options.update(strategy="binsearch", min_batch_size=1, max_batch_size=len(sizes))
-    plan = find_batch_size_distributed(trial, device=default_device(), **options)
+        options = FindOptions.build(options, strategy="binsearch", min_batch_size=1, max_batch_size=len(sizes))
+    plan = find_batch_size_distributed(trial, device=default_device(), options=options)
     if sizes is not None:
         plan = dataclasses.replace(
             plan, batch_size=sizes[plan.batch_size - 1], fit=None, tensor_fit=None,

@@ -24,6 +24,7 @@ import torch
 from ..core.batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn
 from ..core.loss import parse_loss
 from ..dist.distributed import find_batch_size_distributed
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..train.batching import BatchConfig, rescale_lr
 from ..train.engine import Engine, StepResult
@@ -73,13 +74,17 @@ class BatchSizeCallback(Callback):
         lr_rule: ``"none"`` (default: the learning rate is left as configured), or ``"auto"`` (sqrt
             for Adam-like optimizers, linear otherwise), ``"linear"``, ``"sqrt"``.
         batch_arg_name: the attribute that holds the dataloader's batch size.
-        target, capacity, strategy, max_batch_size, steps_per_trial, find_options: the finder's
-            options (see :class:`batchpilot.integrations.SizingOptions`).
+        options: the finder's options (:class:`batchpilot.FindOptions`); ``max_batch_size`` is also
+            capped at the per-rank batch and the dataset's length.
         shared: dict keys of the batch that are not per-sample (see :mod:`batchpilot.core.batch`).
         split_fn: ``split_fn(batch, start, stop)`` for batches the rules cannot cut.
+        **overrides: other options: the fields of :class:`batchpilot.FindOptions` (``target``,
+            ``capacity``, ``strategy``, ``max_batch_size``, ``steps_per_trial``, ...), each in place
+            of ``options``'s value.
 
     Raises:
-        ValueError: invalid options (at construction); at fit start, a module without the batch
+        ValueError: invalid options, among them ``BatchSizeError`` for a keyword that is no finder
+            option (at construction); at fit start, a module without the batch
             size attribute, a dataloader passed to ``fit()`` directly, several training dataloaders,
             a strategy other than single-device or DDP, or ``GradientAccumulationScheduler`` next
             to a global batch.
@@ -94,21 +99,14 @@ class BatchSizeCallback(Callback):
         lr_base_size: int | None = None,
         lr_rule: str = "none",  # Lightning's BatchSizeFinder changes only the batch size
         batch_arg_name: str = "batch_size",
-        target: float = 0.8,
-        capacity: int | str | None = None,
-        strategy: str = "predict",
-        max_batch_size: int | None = None,
-        steps_per_trial: int = 2,
-        find_options: dict[str, Any] | None = None,
+        options: FindOptions | None = None,
         shared: str | list[str] | None = None,
         split_fn: SplitFn | None = None,
+        **overrides: Any,
     ) -> None:
         super().__init__()
-        self.options = SizingOptions(
-            global_batch_size=global_batch_size, lr_base_size=lr_base_size, lr_rule=lr_rule, target=target,
-            capacity=capacity, strategy=strategy, max_batch_size=max_batch_size, steps_per_trial=steps_per_trial,
-            find_options=dict(find_options or {}),
-        )
+        self.options = SizingOptions(global_batch_size=global_batch_size, lr_base_size=lr_base_size, lr_rule=lr_rule,
+                                     find=FindOptions.build(options, **overrides))
         if micro_batch_size is not None:
             from .._checks import positive_int
 
@@ -294,8 +292,13 @@ class ResilientModule:
             options.get("shared"), options.get("split_fn"))) * world
         start = self.batchpilot_start
         if start is None and self._batchpilot_state is None:
+            # the engine's finder options: config.find, with the engine's target= (the engine refuses a clash)
+            config = options.get("config")
+            find = config.find if config is not None else FindOptions()
+            if options.get("target") is not None:
+                find = FindOptions.build(find, target=options["target"])
             start = _search_batch_size(
-                trainer, self, batch, SizingOptions(target=options.get("target", 0.8)), limit=global_ // world,
+                trainer, self, batch, SizingOptions(find=find), limit=global_ // world,
                 layout=BatchLayout.of(options.get("shared"), options.get("split_fn")),
             )
         # the LightningOptimizer: its step() counts global_step and runs the callbacks' hooks
@@ -364,8 +367,8 @@ def _search_batch_size(
         for opt in optimizers:
             opt.step()
 
-    kwargs = options.finder_kwargs(limit)
-    return find_batch_size_distributed(step, restore=(pl_module, *optimizers), device=strategy.root_device, **kwargs)
+    return find_batch_size_distributed(step, restore=(pl_module, *optimizers), device=strategy.root_device,
+                                       options=options.finder_options(limit))
 
 
 def _trial_loss(pl_module: pl.LightningModule) -> Any:

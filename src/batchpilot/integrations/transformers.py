@@ -28,6 +28,7 @@ from torch import nn
 from ..core.batch import BatchLayout, SplitFn, batch_size_of
 from ..dist.distributed import find_batch_size_distributed
 from ..find.front import find_batch_size_for
+from ..find.options import FindOptions
 from ..memory.oom import attempt, free_memory
 from ..train.batching import scale_lr
 from ..train.engine import Engine, EngineConfig, StepResult
@@ -71,15 +72,11 @@ def configure_batch_size(
     loss_fn: Callable[[nn.Module, Any], Any] | None = None,
     data_collator: Callable[[list], Any] | None = None,
     lr_base_size: int | None = None,
-    lr_rule: str = "auto",
-    target: float = 0.8,
-    capacity: int | str | None = None,
-    strategy: str = "predict",
-    max_batch_size: int | None = None,
-    steps_per_trial: int = 2,
-    find_options: dict[str, Any] | None = None,
+    lr_rule: str = "none",
+    options: FindOptions | None = None,
     shared: str | list[str] | None = None,
     split_fn: SplitFn | None = None,
+    **overrides: Any,
 ) -> BatchSetup:
     """Size ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` before the Trainer is built.
 
@@ -89,12 +86,14 @@ def configure_batch_size(
     unchanged. Under ``torchrun`` every rank searches on its own device and all take the smallest
     answer. With ``global_batch_size`` the per-device batch is the largest divisor of
     ``global / world`` that fits, and ``gradient_accumulation_steps`` makes up the rest; without it
-    the per-device batch is the largest that fits and the accumulation is kept. When the global
-    batch (``per_device × world × accumulation``) is not ``lr_base_size``, ``args.learning_rate``
-    is rescaled by ``lr_rule``. ``args`` is changed in place, and the setup is also left on
-    ``args.batchpilot_setup``: a :class:`ResilientTrainer` built on these ``args`` starts its
-    micro-batches at the finder's answer rather than at the divisor a plain ``Trainer`` needs
-    (its engine cuts a smaller last micro-batch, so it need not divide the batch).
+    the per-device batch is the largest that fits and the accumulation is kept. By default only
+    the batch sizes change, as with the Trainer's own ``auto_find_batch_size``; with ``lr_rule``
+    (``"auto"``, ``"linear"``, ``"sqrt"``) ``args.learning_rate`` is rescaled when the global
+    batch (``per_device × world × accumulation``) is not ``lr_base_size``. ``args`` is changed
+    in place, and the setup is also left on ``args.batchpilot_setup``: a :class:`ResilientTrainer`
+    built on these ``args`` starts its micro-batches at the finder's answer rather than at the
+    divisor a plain ``Trainer`` needs (its engine cuts a smaller last micro-batch, so it need not
+    divide the batch).
 
     Args:
         args: the ``TrainingArguments`` to fill in.
@@ -107,22 +106,27 @@ def configure_batch_size(
         data_collator: for a dataset ``data``; default ``transformers.default_data_collator``.
         lr_base_size: the global batch ``args.learning_rate`` was tuned for; default the global
             batch ``args`` describe before sizing.
-        lr_rule, target, capacity, strategy, max_batch_size, steps_per_trial, find_options: see
-            :class:`batchpilot.integrations.SizingOptions`.
+        lr_rule: ``"none"`` (default: the learning rate is left as configured), ``"auto"`` (sqrt
+            for Adam-like optimizers, linear otherwise), ``"linear"`` or ``"sqrt"``.
+        options: the finder's options (:class:`batchpilot.FindOptions`); ``max_batch_size`` is
+            also capped at the per-rank batch and the dataset's length.
         shared, split_fn: the batch rules of :mod:`batchpilot.core.batch`.
+        **overrides: other options: the fields of :class:`batchpilot.FindOptions` (``target``,
+            ``capacity``, ``strategy``, ``max_batch_size``, ``steps_per_trial``, ...), each in place
+            of ``options``'s value.
 
     Returns:
         The :class:`~batchpilot.integrations.BatchSetup` written into ``args``.
 
     Raises:
-        ValueError: invalid options, ``auto_find_batch_size`` set, DataParallel over several GPUs in
+        ValueError: invalid options (``BatchSizeError`` for a keyword that is no finder option),
+            ``auto_find_batch_size`` set, DataParallel over several GPUs in
             one process (use ``torchrun``), DeepSpeed or FSDP (their sharded state is not what the
             trials measure), or a global batch that does not divide by the world size.
         batchpilot.policy.search.NothingFitsError: not even one sample fits (on some rank).
     """
     opts = SizingOptions(global_batch_size=global_batch_size, lr_base_size=lr_base_size, lr_rule=lr_rule,
-                         target=target, capacity=capacity, strategy=strategy, max_batch_size=max_batch_size,
-                         steps_per_trial=steps_per_trial, find_options=dict(find_options or {}))
+                         find=FindOptions.build(options, **overrides))
     _check_args(args, "configure_batch_size")
     if args.auto_find_batch_size:
         raise ValueError("configure_batch_size sizes the batch itself: set auto_find_batch_size=False")
@@ -142,7 +146,7 @@ def configure_batch_size(
         plan = find_batch_size_for(
             model, batch, optimizer=optimizer, loss_fn=loss_fn or hf_loss, amp=amp, scaler=scaler,
             shared=shared, split_fn=split_fn, search=find_batch_size_distributed if world > 1 else None,
-            device=device, **opts.finder_kwargs(min(caps) if caps else None),
+            device=device, options=opts.finder_options(min(caps) if caps else None),
         )
     finally:
         del optimizer, scaler

@@ -1,24 +1,30 @@
-"""The memory figure a decision is made on: the one that fails on this device.
+"""Figures of a device's memory: in use now, peak since a reset, capacity -- one :class:`Gauge` each.
+
+The figure a decision is made on is the one that fails on the device (:func:`gauge_for`):
 
 * an emulated capacity: the tensor bytes a :class:`~batchpilot.memory.tracker.StorageTracker` counts
-  on CPU, or the caching allocator's reserved bytes under a CUDA memory fraction;
-* a real CPU: the figure the binding host limit counts (:mod:`batchpilot.memory.host`): the address
-  space under ``RLIMIT_AS``, the container's charge under a memory cgroup, the resident set
-  against the available RAM without either;
+  on CPU (:class:`TensorGauge`), or the caching allocator's reserved bytes under a CUDA memory
+  fraction (:class:`DeviceGauge`);
+* a real CPU: the figure the binding host limit counts (:class:`HostGauge`,
+  :mod:`batchpilot.memory.host`): the address space under ``RLIMIT_AS``, the container's charge
+  under a memory cgroup, the resident set against the available RAM without either;
 * a real CUDA / HIP device: reserved memory plus everything outside PyTorch (the context,
   other processes) against the device's total, which is what ``cudaMalloc`` runs out of;
 * MPS and XPU: the allocator's allocated bytes against the recommended / total memory.
 
-The finder and the engine measure through a :class:`Gauge`, so every place that sizes a batch
-agrees on what "fits" means.
+:class:`AllocatorGauge` is the plain "allocated bytes" figure of any device, the one
+:func:`~batchpilot.memory.probes.track_peak` measures a region with and
+:func:`~batchpilot.memory.probes.get_probe` returns. The finder and the engine measure through a
+gauge, so every place that sizes a batch agrees on what "fits" means.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .host import ResidentPeak, address_space_bytes, address_space_peak, host_limits, resident_bytes
-from .probes import get_probe
 from .tracker import active_tracker
 
 __all__ = ["Gauge", "TensorGauge", "HostGauge", "DeviceGauge", "AllocatorGauge", "gauge_for"]
@@ -55,7 +61,14 @@ class Gauge:
         raise NotImplementedError
 
     def synchronize(self) -> None:
-        get_probe(self.device).synchronize()
+        """Wait for the device's queued kernels: memory figures (and times) are only final after this."""
+        if self.device.type == "cpu":
+            return
+        backend = getattr(torch, self.device.type)
+        if self.device.type == "mps":
+            backend.synchronize()
+        else:
+            backend.synchronize(self.device)
 
     def alloc_retries(self) -> int | None:
         """How often the allocator has freed its cache and retried an allocation; ``None`` if it does not say."""
@@ -212,31 +225,93 @@ class DeviceGauge(Gauge):
 
 
 class AllocatorGauge(Gauge):
-    """The backend allocator's allocated bytes (MPS, XPU): what their probes report."""
+    """The bytes the device's allocator has handed out, on any device.
+
+    * an accelerator (CUDA, XPU, MPS): the caching allocator's allocated bytes and their peak,
+      through ``torch.accelerator`` where the installed torch has its memory functions, the
+      backend module otherwise; the capacity is the device's total (MPS: its recommended maximum);
+    * a CPU: the tensor bytes of the running :class:`~batchpilot.memory.tracker.StorageTracker`
+      (exact), and outside one the process's resident set (approximate), against what the
+      tightest host limit lets the process reach (:attr:`HostLimits.capacity_bytes
+      <batchpilot.memory.host.HostLimits.capacity_bytes>`).
+
+    The finder decides on this figure on MPS and XPU (:func:`gauge_for`); on every device it is
+    what :func:`~batchpilot.memory.probes.track_peak` reports.
+
+    Attributes:
+        emulated: the capacity an emulation gives the device, reported by :meth:`capacity` in
+            place of the real one; :func:`~batchpilot.memory.probes.emulate_capacity` sets it on
+            the device's shared gauge (:func:`~batchpilot.memory.probes.get_probe`) while it runs.
+    """
 
     def __init__(self, device: torch.device, emulated_capacity: int | None = None) -> None:
         super().__init__(device)
-        self.probe = get_probe(device)
         self.emulated = emulated_capacity
+        if device.type == "cpu":
+            self._resident = ResidentPeak()
+            return
+        self._backend = getattr(torch, device.type)
+        acc = getattr(torch, "accelerator", None)
+        cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        # torch.accelerator's memory API (2.8+) only serves the current accelerator type
+        self._acc = acc if cur is not None and cur.type == device.type and hasattr(acc, "max_memory_allocated") else None
+
+    def _call(self, name: str, *alts: str) -> Any:
+        idx = self.device.index if self.device.type != "mps" else None
+        for owner, fn in ((self._acc, name), *((self._backend, a) for a in (name, *alts))):
+            f = getattr(owner, fn, None) if owner is not None else None
+            if f is not None:
+                return f(idx) if idx is not None else f()
+        raise NotImplementedError(f"{self.device.type} has no {name}")
 
     def capacity(self) -> int:
-        return self.emulated if self.emulated is not None else self.probe.capacity()
+        if self.emulated is not None:
+            return self.emulated
+        if self.device.type == "cpu":
+            tr = active_tracker(self.device)
+            return tr.capacity if tr is not None and tr.capacity is not None else host_limits().capacity_bytes
+        if self.device.type == "mps":
+            return int(self._backend.recommended_max_memory())
+        return int(self._backend.get_device_properties(self.device).total_memory)
 
     def current(self) -> int:
-        return self.probe.allocated()
+        if self.device.type == "cpu":
+            tr = active_tracker(self.device)
+            return tr.live if tr is not None else resident_bytes()
+        return int(self._call("memory_allocated", "current_allocated_memory"))
 
     def peak(self) -> int:
-        return self.probe.peak()
+        if self.device.type == "cpu":
+            tr = active_tracker(self.device)
+            return tr.peak if tr is not None else self._resident.peak()
+        try:
+            return int(self._call("max_memory_allocated"))
+        except NotImplementedError:  # older MPS has no peak statistic
+            return self.current()
 
     def reset(self) -> None:
-        self.probe.synchronize()
-        self.probe.reset_peak()
+        self.synchronize()
+        if self.device.type == "cpu":
+            tr = active_tracker(self.device)
+            if tr is not None:
+                tr.reset_peak()
+            else:
+                self._resident.reset()
+            return
+        try:
+            self._call("reset_peak_memory_stats")
+        except NotImplementedError:
+            pass
+
+    def close(self) -> None:
+        if self.device.type == "cpu":
+            self._resident.close()
 
 
 def gauge_for(device: torch.device, *, emulated_capacity: int | None = None) -> Gauge:
     """The gauge whose figure fails on ``device``; with ``emulated_capacity``, the emulation's.
 
-    On CPU an emulated capacity means a :class:`~batchpilot.memory.tracker.StorageTracker` with that
+    A new gauge each call (a host gauge holds the peak window it measures). On CPU an emulated capacity means a :class:`~batchpilot.memory.tracker.StorageTracker` with that
     capacity is (or will be) running when the gauge is read.
     """
     if device.type == "cpu":

@@ -1,10 +1,11 @@
-"""Device-generic memory probes, peak measurement and an emulated capacity.
+"""A region's peak on any device, an emulated capacity, and each device's allocated-bytes gauge.
 
-On accelerators the figures come from the caching allocator (``torch.accelerator``
-where the installed torch has the memory functions, the backend module otherwise).
-On CPU they come from :class:`~batchpilot.memory.tracker.StorageTracker`, a dispatch mode that counts
-the bytes of every live tensor storage exactly; outside a tracker a CPU probe falls back to
-the process's resident set size, which is only approximate.
+The figures come from a :class:`~batchpilot.memory.gauge.Gauge` (:mod:`batchpilot.memory.gauge`,
+the one memory-figure abstraction). On accelerators :func:`track_peak` reads the caching
+allocator's allocated bytes; on CPU a :class:`~batchpilot.memory.tracker.StorageTracker`, a
+dispatch mode that counts the bytes of every live tensor storage exactly. :func:`emulate_capacity`
+makes a device behave like a smaller one and :func:`emulated_capacity` says which capacity an
+emulation running now gives it: the one place the finder and the engine learn it from.
 """
 
 from __future__ import annotations
@@ -15,160 +16,47 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .host import ResidentPeak, host_limits, resident_bytes
+from .gauge import AllocatorGauge
 from .tracker import StorageTracker, active_tracker
 from .units import format_bytes, parse_bytes, resolve_device
 
-__all__ = [
-    "MemoryProbe",
-    "get_probe",
-    "CpuProbe",
-    "HostProbe",
-    "PeakMeasurement",
-    "track_peak",
-    "emulate_capacity",
-]
+__all__ = ["get_probe", "PeakMeasurement", "track_peak", "emulate_capacity", "emulated_capacity"]
 
 
-class MemoryProbe:
-    """Capacity, allocated bytes, peak since reset, and reset for one device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._capacity_override: int | None = None
-
-    def capacity(self) -> int:
-        raise NotImplementedError
-
-    def allocated(self) -> int:
-        raise NotImplementedError
-
-    def peak(self) -> int:
-        raise NotImplementedError
-
-    def reset_peak(self) -> None:
-        raise NotImplementedError
-
-    def synchronize(self) -> None:
-        """Wait for queued kernels: memory figures are only final after this."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.device})"
+_GAUGES: dict[torch.device, AllocatorGauge] = {}
 
 
-class CpuProbe(MemoryProbe):
-    """Exact tensor bytes inside a :class:`StorageTracker`; the process's real memory outside one.
+def get_probe(device: torch.device | str | int | None = None) -> AllocatorGauge:
+    """The allocated-bytes :class:`~batchpilot.memory.gauge.AllocatorGauge` of ``device`` (one per device).
 
-    Outside a tracker the figures are the resident set (:mod:`batchpilot.memory.host`): ``allocated``
-    is what the process holds, ``peak`` its high-water mark since :meth:`reset_peak`, and
-    ``capacity`` what it can reach before the tightest limit (cgroup, ``RLIMIT_AS``, RAM).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self._resident = ResidentPeak()
-
-    def capacity(self) -> int:
-        tr = active_tracker(self.device)
-        if tr is not None and tr.capacity is not None:
-            return tr.capacity
-        return host_limits().capacity_bytes
-
-    def allocated(self) -> int:
-        tr = active_tracker(self.device)
-        return tr.live if tr is not None else resident_bytes()
-
-    def peak(self) -> int:
-        tr = active_tracker(self.device)
-        return tr.peak if tr is not None else self._resident.peak()
-
-    def reset_peak(self) -> None:
-        tr = active_tracker(self.device)
-        if tr is not None:
-            tr.reset_peak()
-        else:
-            self._resident.reset()
-
-
-class HostProbe(CpuProbe):
-    """The process's real memory (resident set, host limits), whether or not a tracker runs."""
-
-    def capacity(self) -> int:
-        return host_limits().capacity_bytes
-
-    def allocated(self) -> int:
-        return resident_bytes()
-
-    def peak(self) -> int:
-        return self._resident.peak()
-
-    def reset_peak(self) -> None:
-        self._resident.reset()
-
-
-class AcceleratorProbe(MemoryProbe):
-    """Caching-allocator statistics of a CUDA / XPU / MPS device."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self.backend = getattr(torch, device.type)
-        acc = getattr(torch, "accelerator", None)
-        cur = acc.current_accelerator() if acc is not None and acc.is_available() else None
-        # torch.accelerator's memory API (2.8+) only serves the current accelerator type
-        self._acc = acc if cur is not None and cur.type == device.type and hasattr(acc, "max_memory_allocated") else None
-
-    def _call(self, name: str, *alts: str) -> Any:
-        idx = self.device.index if self.device.type != "mps" else None
-        for owner, fn in ((self._acc, name), *((self.backend, a) for a in (name, *alts))):
-            f = getattr(owner, fn, None) if owner is not None else None
-            if f is not None:
-                return f(idx) if idx is not None else f()
-        raise NotImplementedError(f"{self.device.type} has no {name}")
-
-    def capacity(self) -> int:
-        if self._capacity_override is not None:
-            return self._capacity_override
-        if self.device.type == "mps":
-            return int(self.backend.recommended_max_memory())
-        return int(self.backend.get_device_properties(self.device).total_memory)
-
-    def allocated(self) -> int:
-        return int(self._call("memory_allocated", "current_allocated_memory"))
-
-    def peak(self) -> int:
-        try:
-            return int(self._call("max_memory_allocated"))
-        except NotImplementedError:  # older MPS has no peak statistic
-            return self.allocated()
-
-    def reset_peak(self) -> None:
-        try:
-            self._call("reset_peak_memory_stats")
-        except NotImplementedError:
-            pass
-
-    def synchronize(self) -> None:
-        if self.device.type == "mps":
-            self.backend.synchronize()
-        else:
-            self.backend.synchronize(self.device)
-
-
-_PROBES: dict[torch.device, MemoryProbe] = {}
-
-
-def get_probe(device: torch.device | str | int | None = None) -> MemoryProbe:
-    """The memory probe for ``device`` (one instance per device).
+    Its ``capacity()`` follows an emulation running for the device (:func:`emulate_capacity`).
 
     Raises:
         ValueError: unknown device string (see :func:`resolve_device`).
     """
     dev = resolve_device(device)
-    probe = _PROBES.get(dev)
-    if probe is None:
-        probe = CpuProbe(dev) if dev.type == "cpu" else AcceleratorProbe(dev)
-        _PROBES[dev] = probe
-    return probe
+    gauge = _GAUGES.get(dev)
+    if gauge is None:
+        gauge = _GAUGES[dev] = AllocatorGauge(dev)
+    return gauge
+
+
+def emulated_capacity(device: torch.device | str | int | None = None) -> int | None:
+    """The capacity an emulation running now gives ``device``, or ``None`` when none does.
+
+    On CPU: the capacity of the running :class:`~batchpilot.memory.tracker.StorageTracker`
+    (``None`` for a tracker without one, as :func:`track_peak` starts); elsewhere the one
+    :func:`emulate_capacity` set.
+
+    Raises:
+        ValueError: unknown device string (see :func:`resolve_device`).
+    """
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        tr = active_tracker(dev)
+        return None if tr is None else tr.capacity
+    gauge = _GAUGES.get(dev)
+    return None if gauge is None else gauge.emulated
 
 
 # ---------------------------------------------------------------------------
@@ -197,8 +85,8 @@ def track_peak(device: torch.device | str | int | None = None, *, track: Iterabl
     The result is filled in when the region ends, also when it raises.
     """
     dev = resolve_device(device)
-    probe = get_probe(dev)
-    m = PeakMeasurement(device=dev, capacity=probe.capacity())
+    gauge = get_probe(dev)
+    m = PeakMeasurement(device=dev, capacity=gauge.capacity())
     if dev.type == "cpu":
         tr = active_tracker(dev)
         own = tr is None
@@ -217,29 +105,28 @@ def track_peak(device: torch.device | str | int | None = None, *, track: Iterabl
             tr._windows.remove(m)
             m.end_bytes = tr.live
         return
-    probe.synchronize()
-    probe.reset_peak()
-    m.start_bytes = probe.allocated()
+    gauge.reset()  # after the queued kernels
+    m.start_bytes = gauge.current()
     try:
         yield m
     finally:
-        probe.synchronize()
-        m.peak_bytes = probe.peak()
-        m.end_bytes = probe.allocated()
+        gauge.synchronize()
+        m.peak_bytes = gauge.peak()
+        m.end_bytes = gauge.current()
 
 
 @contextlib.contextmanager
 def emulate_capacity(
     capacity: int | str, device: torch.device | str | int | None = "cpu", *, track: Iterable[Any] = ()
-) -> Iterator[MemoryProbe]:
+) -> Iterator[AllocatorGauge]:
     """Make ``device`` behave like one with ``capacity`` bytes.
 
     On CPU, a :class:`StorageTracker` with that capacity raises
     ``torch.OutOfMemoryError`` when live tensors would exceed it (``track``:
     the tensors that already exist, e.g. the model and optimizer). On CUDA the
     caching allocator is capped with ``set_per_process_memory_fraction``, which
-    raises the real CUDA OOM. Yields the device's probe, whose ``capacity()``
-    reports the emulated size.
+    raises the real CUDA OOM. Yields the device's gauge (:func:`get_probe`), whose
+    ``capacity()`` reports the emulated size, as :func:`emulated_capacity` does.
 
     Raises:
         ValueError: capacity not positive, larger than the device, or an
@@ -247,34 +134,32 @@ def emulate_capacity(
     """
     cap = parse_bytes(capacity)
     dev = resolve_device(device)
-    probe = get_probe(dev)
+    gauge = get_probe(dev)
     if dev.type == "cpu":
         tr = active_tracker(dev)
         if tr is None:
             with StorageTracker(dev, capacity=cap) as tr:
                 tr.track(*track)
-                yield probe
+                yield gauge
             return
         previous = tr.capacity
         tr.capacity = cap
         tr.track(*track)
         try:
-            yield probe
+            yield gauge
         finally:
             tr.capacity = previous
         return
     if dev.type != "cuda":
         raise ValueError(f"emulated capacity is supported on cpu and cuda, not {dev.type}")
-    total = probe.capacity() if probe._capacity_override is None else int(
-        torch.cuda.get_device_properties(dev).total_memory
-    )
+    total = int(torch.cuda.get_device_properties(dev).total_memory)
     if cap > total:
         raise ValueError(f"capacity {format_bytes(cap)} exceeds the device's {format_bytes(total)}")
-    previous = probe._capacity_override
+    previous = gauge.emulated
     torch.cuda.set_per_process_memory_fraction(cap / total, dev)
-    probe._capacity_override = cap
+    gauge.emulated = cap
     try:
-        yield probe
+        yield gauge
     finally:
         torch.cuda.set_per_process_memory_fraction((previous or total) / total, dev)
-        probe._capacity_override = previous
+        gauge.emulated = previous

@@ -5,3 +5,35 @@
 (named GPUs, CUDA accounting), :mod:`~batchpilot.plan.fsdp` (FSDP2 over a fake process group) and
 :mod:`~batchpilot.plan.lengths` (the plan at every sequence length).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: name -> the module defining it, imported on first use (the planner pulls in fake tensors)
+_LAZY = {
+    "plan_batch_size": "planner",
+    "estimate_peak_memory": "planner",
+    "PlanningError": "result",
+    "MemoryEstimate": "result",
+    "PlanResult": "result",
+    "GpuSpec": "gpus",
+    "gpu_spec": "gpus",
+    "known_gpus": "gpus",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

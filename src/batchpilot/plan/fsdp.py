@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..core.sharding import _param_groups, is_fsdp, shard_model
+from ..core.sharding import _param_groups, fsdp_param_groups, is_fsdp, shard_model
 from .result import PlanningError
 
 __all__ = ["SHARDINGS", "ShardFn", "FakeShards", "fake_process_group"]
@@ -70,7 +70,7 @@ class FakeShards:
         self.model = model
         self.counter: Any = None
         for m in model.modules():
-            if hasattr(m, "set_custom_all_gather") and m._get_fsdp_state()._fsdp_param_groups:
+            if hasattr(m, "set_custom_all_gather") and fsdp_param_groups(m):
                 m.set_custom_all_gather(_MarkingAllGather(self))
                 m.set_custom_reduce_scatter(_MarkingReduceScatter(self))
 

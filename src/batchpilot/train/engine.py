@@ -4,12 +4,18 @@
 accumulates their gradients and steps the optimizer once. On an OOM it drops the partial
 gradients, shrinks and reruns the same batch: no sample lost, the same update. It grows back
 after clean steps with room to spare. How and why, in detail: ``docs/internals.md#engine``.
+
+:class:`Engine` composes parts that each own their state and are called through what they
+declare: the micro-batch and its policy (:class:`~batchpilot.train.adapt.MicroBatcher`), what a
+retry puts back (:class:`~batchpilot.train.retry.RetryState`), the sizing by length
+(:class:`~batchpilot.train.lengths.LengthSizer`), the gradient noise scale
+(:class:`~batchpilot.train.noise.NoiseMeter`) and the agreement with other ranks
+(:class:`~batchpilot.dist.coordinator.Coordinator`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import numbers
@@ -29,18 +35,21 @@ from ..core.ranks import group_size
 from ..core.sharding import is_fsdp
 from ..dist.coordinator import Coordinator, LocalCoordinator, check_coordinator
 from ..find.finder import find_batch_size
+from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import trim_host_memory
-from ..memory.probes import get_probe
+from ..memory.probes import emulated_capacity
 from ..memory.tracker import active_tracker
-from ..memory.units import format_bytes, parse_bytes, resolve_device
+from ..memory.units import parse_bytes, resolve_device
 from ..policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
 from ..policy.schedule import BatchSchedule, SchedulePoint, parse_schedule
-from ..policy.speed import SPEED_TOLERANCE, SplitChoice, TimeCurve, check_speed_tolerance, choose_split
+from ..policy.speed import SPEED_TOLERANCE, SplitChoice, check_speed_tolerance
+from .adapt import MicroBatcher
 from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from .lengths import LengthConfig, LengthSizer, make_sizer
 from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
+from .retry import BatchDoesNotFitError, RetryState, fixed_oom_error
 
 __all__ = [
     "BatchDoesNotFitError",
@@ -53,14 +62,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# 3: the micro-batch is saved once, in "policy"; 2 and 1 also held it as "micro_batch_size".
 # 2: global_batch_size is the global batch over all ranks and world_size is stored; in 1 it
 # was the per-rank batch (which is all that loading uses of it).
-_STATE_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
-
-
-class BatchDoesNotFitError(RuntimeError):
-    """Even a micro-batch of one sample runs out of memory."""
+_STATE_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(kw_only=True)
@@ -77,9 +83,11 @@ class EngineConfig:
         restore_buffers: on retry, put BatchNorm running statistics back as they were before the
             failed attempt (cost: one in-place copy of those buffers per step).
         restore_rng: on retry, restore the CPU (and device) RNG state, so dropout masks repeat.
-        find_options: extra keyword arguments for :func:`batchpilot.find.finder.find_batch_size` when
-            ``micro_batch_size="auto"`` and no ``start`` is given (with ``split="time"`` its
-            ``timed_steps`` defaults to 3: the split is decided on those times).
+        find: the finder's options (:class:`~batchpilot.find.options.FindOptions`) for the search
+            when ``micro_batch_size="auto"`` and no ``start`` is given. Its ``capacity`` is
+            ``capacity``'s when that is given (``find.capacity`` alone sizes the search only), its
+            ``target`` the engine's ``target=`` (a different value in both raises); with
+            ``split="time"`` its ``timed_steps=None`` is 3: the split is decided on those times.
         split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
             micro-batch that fits: ``"time"``: the fewest micro-batches, balanced, unless the
             finder's timed trials predict more, smaller ones faster by ``split_margin``
@@ -87,7 +95,8 @@ class EngineConfig:
         split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
 
     Raises:
-        ValueError: a value out of range.
+        ValueError: a value out of range, or ``capacity`` and ``find.capacity`` that disagree.
+        TypeError: ``find`` is not a :class:`~batchpilot.find.options.FindOptions`.
     """
 
     grow_after: int = 50
@@ -98,7 +107,7 @@ class EngineConfig:
     capacity: int | str | None = None
     restore_buffers: bool = True
     restore_rng: bool = True
-    find_options: dict[str, Any] = field(default_factory=dict)
+    find: FindOptions = field(default_factory=FindOptions)
     split: Literal["time", "fewest"] = "time"
     split_margin: float = SPEED_TOLERANCE
 
@@ -112,6 +121,16 @@ class EngineConfig:
             raise ValueError(f"high_water must be a fraction of capacity in (0, 1], got {self.high_water!r}")
         if self.capacity is not None:
             self.capacity = parse_bytes(self.capacity)
+        if not isinstance(self.find, FindOptions):
+            raise TypeError(f"find must be a batchpilot.FindOptions, got {type(self.find).__name__}: "
+                            "EngineConfig(find=FindOptions(max_trials=9))")
+        if self.capacity is not None:
+            if self.find.capacity is not None and self.find.capacity != self.capacity:
+                raise ValueError(
+                    f"capacity={self.capacity} and find.capacity={self.find.capacity} disagree: give the capacity "
+                    "once (capacity sizes the engine and its search; find.capacity alone, the search only)"
+                )
+            self.find = FindOptions.build(self.find, capacity=self.capacity)
         if self.split not in ("time", "fewest"):
             raise ValueError(f"split must be 'time' or 'fewest', got {self.split!r}")
         self.split_margin = check_speed_tolerance(self.split_margin)
@@ -224,7 +243,9 @@ class Engine:
         device: where micro-batches go and memory is measured; default: the model's.
         amp: ``None``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and ``GradScaler``).
         grad_clip: clip the total gradient norm to this (unscaled first under fp16).
-        target: fraction of capacity a grown micro-batch's predicted peak may use.
+        target: fraction of capacity a grown micro-batch's predicted peak may use, and the finder's
+            ``target``; ``None``: ``config.find.target`` (default 0.8). Give it once: a
+            ``config.find.target`` other than its default that differs raises.
         scheduler: an LR scheduler whose ``step()`` takes no argument, stepped once per
             optimizer step (not on skipped fp16 steps). Checkpoint it yourself.
         coordinator: agreement with other ranks, and the world size; default
@@ -260,16 +281,20 @@ class Engine:
         micro_batch_reason: why it is that size (empty before the first step).
         split: the initial split of the per-rank batch (:class:`~batchpilot.policy.speed.SplitChoice`),
             ``None`` before the first step and for a fixed micro-batch.
+        batcher: the part that owns the micro-batch (:class:`~batchpilot.train.adapt.MicroBatcher`);
+            ``micro_batch_size``, ``micro_batch_reason``, ``policy``, ``fit`` and ``split`` are its.
+        retry: what a retry after an OOM puts back (:class:`~batchpilot.train.retry.RetryState`).
 
     Raises:
         ValueError: a batch size that is not a positive int, a global batch that does not
             divide by the world size (the message suggests the nearest that do), a fixed
             micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
             ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
-            schedule that follows the noise scale with ``noise=False`` (or a coordinator of
-            several ranks that cannot sum it), ``lengths`` with a fixed micro-batch, an int
-            ``start``, or FSDP.
-        TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type.
+            schedule that follows the noise scale with ``noise=False``, ``lengths`` with a fixed
+            micro-batch, an int ``start``, or FSDP.
+        TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type, a
+            ``coordinator`` that lacks a member of the :class:`~batchpilot.dist.coordinator.Coordinator`
+            protocol.
     """
 
     def __init__(
@@ -284,7 +309,7 @@ class Engine:
         device: torch.device | str | None = None,
         amp: str | torch.dtype | None = None,
         grad_clip: float | None = None,
-        target: float = 0.8,
+        target: float | None = None,
         scheduler: Any = None,
         coordinator: Coordinator | None = None,
         config: EngineConfig | None = None,
@@ -327,6 +352,14 @@ class Engine:
             if start is not None:
                 raise ValueError('start only applies to micro_batch_size="auto"')
             self.fixed = True
+        find = self.config.find
+        if target is None:
+            target = find.target
+        elif "target" in find.changed() and find.target != target:
+            raise ValueError(
+                f"target={target} and config.find.target={find.target} disagree: give the target once "
+                "(Engine(target=) is the finder's target too)"
+            )
         if not (isinstance(target, numbers.Real) and 0 < target < 1):
             raise ValueError(f"target must be a fraction of capacity in (0, 1), got {target!r}")
         if target >= self.config.high_water:
@@ -348,12 +381,14 @@ class Engine:
             self._bind_fsdp(model)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
         self.steps = 0
-        self.micro_batch_size: int | None = None if not self.fixed else int(micro_batch_size)
-        self.policy: MicroBatchPolicy | None = None
-        self.micro_batch_reason = "" if not self.fixed else f"fixed: micro_batch_size={micro_batch_size}"
-        self._pending_reason: str | None = None  # why the policy's next size, until the ranks agree on it
-        self.split: SplitChoice | None = None
-        self.fit = PeakFit()
+        cfg = self.config
+        #: the micro-batch, its policy, memory fit and reasons (batchpilot.train.adapt)
+        self.batcher = MicroBatcher(
+            fixed=int(micro_batch_size) if self.fixed else None, device=self.device, coordinator=self.coordinator,
+            capacity=self._capacity, target=self.target, high_water=cfg.high_water, adapt=cfg.adapt,
+            grow_after=cfg.grow_after, backoff=cfg.backoff, max_wait=cfg.max_wait, split_by_time=cfg.split == "time",
+            split_margin=cfg.split_margin,
+        )
         self._start = start
         self._gauges: dict[tuple, Gauge] = {}
         self._probe: Gauge = self._step_gauge()
@@ -363,13 +398,9 @@ class Engine:
         self._compiled = is_compiled(model)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._norm_buffers = _running_stat_buffers(model) if self.config.restore_buffers else []
-        self._saved_buffers: list[torch.Tensor] | None = None
-        self._rng: torch.Tensor | None = None
-        self._device_rng: torch.Tensor | None = None
+        #: what a retry puts back: running statistics and RNG (batchpilot.train.retry)
+        self.retry = RetryState(model, self.device, buffers=cfg.restore_buffers, rng=cfg.restore_rng)
         self._last_scale: float | None = None
-        self._futile_warned = False
-        self._alloc_retries = _alloc_retries(self.device)
         # peak of the last gradient sync + optimizer step; it does not depend on the micro-batch
         self._apply_peak = 0
         # statistical efficiency: the noise scale (batchpilot.train.noise) and a global-batch schedule
@@ -380,13 +411,12 @@ class Engine:
                             f"(\"ramp:32,32,10000\"), got {type(schedule).__name__}")
         self.schedule: BatchSchedule | None = schedule
         self.noise_meter: NoiseMeter | None = make_meter(
-            noise, world=self._world, coordinator=self.coordinator,
+            noise, world=self._world, deferred=self.coordinator.defer_grad_sync,
             follower=None if schedule is None or not schedule.reads_noise else schedule.describe(),
         )
         self._reference = self._global  # the batch the optimizer's LR is set for
         self.samples_seen = 0  # over all ranks
         self._last_change = 0
-        self._micro_cap: tuple[int, int] | None = None  # (memory's micro-batch, what a rebase made of it)
         self._short_batches = 0
         self._clip_covers_all = {id(p) for p in self._opt_params} == {id(p) for p in self._params}
         self._pending_noise: Any = None
@@ -394,7 +424,12 @@ class Engine:
             first = schedule.initial(self._global, self._world)
             self._apply_schedule_change(first)
         #: sizes each step by its sequence length (batchpilot.train.lengths), or None
-        self.lengths: LengthSizer | None = make_sizer(self, lengths, self.plan)
+        self.lengths: LengthSizer | None = make_sizer(
+            lengths, self.plan, start=self._start, fixed=self.fixed, fsdp=self._fsdp, search=self._length_search,
+            layout=self.layout, per_rank=self._per_rank,
+            param_bytes=sum(p.numel() * p.element_size() for p in self._params),
+            target=self.target, high_water=cfg.high_water, world=self._world, group=self.coordinator.group,
+        )
         if self._ddp and self._world == 1 and group_size() > 1:
             logger.warning(
                 "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
@@ -435,19 +470,17 @@ class Engine:
             self._check_loader_follows(n)
         self.coordinator.agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
         if self.lengths is not None:
-            self.lengths.size_step(split)  # before running: from the memory model at this length
+            self._size_by_length(split)  # before running: from the memory model at this length
         elif self.micro_batch_size is None:
             self._initialise(split)
-        measured = True  # every device has a real figure now (see StepResult.memory)
         probe = self._probe = self._step_gauge()
         self._step_capacity = None
         if probe.host and not self.fixed:
             trim_host_memory()  # freed heap back to the OS, so the resident peak is this step's
         fixed = self.fixed
         if not fixed:
-            self._snapshot()
+            self.retry.snapshot()
         ooms = 0
-        start_bytes = 0
         pressure = False
         try:
             while True:
@@ -457,15 +490,14 @@ class Engine:
                 if halved != micro:
                     micro = halved
                     reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
-                if measured:
-                    probe.reset()
-                    start_bytes = probe.current()
+                probe.reset()
+                start_bytes = probe.current()
                 # attempt() frees memory outside its except block; the agreement runs on every rank
                 outcome = self._attempt(split, micro)
                 if fixed:
                     oom = self.coordinator.agree_oom(outcome.oom)
                 else:
-                    oom, pressure = self._agree(outcome.oom, micro, start_bytes, measured, ooms)
+                    oom, pressure = self._agree(outcome.oom, micro, start_bytes, ooms)
                 if not oom:
                     acc = outcome.result
                     break
@@ -475,15 +507,13 @@ class Engine:
                 self._drop_grads()
                 ooms += 1
                 if fixed:
-                    raise torch.OutOfMemoryError(
-                        f"out of memory at the fixed micro-batch {micro} on {self.device}: {message}; "
-                        'micro_batch_size="auto" shrinks and retries instead'
-                    )
-                self._restore()
-                self._shrink_after_oom(micro, measured, message)
-            if measured:
-                attempt_peak = probe.peak()
-                probe.reset()
+                    raise fixed_oom_error(micro, self.device, message)
+                self.retry.restore()
+                if self.lengths is not None:
+                    self.lengths.on_oom(self._capacity())
+                self.batcher.shrink_after_oom(micro, message)
+            attempt_peak = probe.peak()
+            probe.reset()
             grad_norm, skip_reason = self._apply(acc)
         except BaseException as exc:
             self._drop_grads()
@@ -505,7 +535,7 @@ class Engine:
             samples=n,
             ooms=ooms,
             peak_bytes=int(peak),
-            measured=measured,
+            measured=True,  # every device has a real figure now (see StepResult.memory)
             memory=probe.kind,
             seconds=time.perf_counter() - t0,
             skipped=skip_reason is not None,
@@ -527,6 +557,31 @@ class Engine:
     def global_batch_size(self) -> int:
         """Samples per optimizer step, summed over all ranks."""
         return self._global
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch of the next step (``None`` before the first one of ``"auto"``); the policy's."""
+        return self.batcher.micro
+
+    @property
+    def micro_batch_reason(self) -> str:
+        """Why the micro-batch is that size (empty before the first step)."""
+        return self.batcher.reason
+
+    @property
+    def policy(self) -> MicroBatchPolicy | None:
+        """The micro-batch's growth and shrink policy (``None`` before the first step and when fixed)."""
+        return self.batcher.policy
+
+    @property
+    def fit(self) -> PeakFit:
+        """The memory model over micro-batches that growth consults."""
+        return self.batcher.fit
+
+    @property
+    def split(self) -> SplitChoice | None:
+        """The initial split of the per-rank batch (``None`` before the first step and when fixed)."""
+        return self.batcher.split
 
     @property
     def world_size(self) -> int:
@@ -579,15 +634,7 @@ class Engine:
 
     def _resize(self, new: int, per_rank: int) -> None:
         self._global, self._per_rank = new, per_rank
-        policy = self.policy
-        if policy is None or self.fixed:
-            return
-        cap, made = self._micro_cap if self._micro_cap is not None else (policy.micro, policy.micro)
-        if policy.micro != made:  # memory moved the micro-batch since the last rebase: it is the cap now
-            cap = policy.micro
-        policy.rebase(per_rank, cap)
-        self._micro_cap = (cap, policy.micro)
-        self.micro_batch_size = policy.micro
+        self.batcher.resize(per_rank)
 
     @property
     def accum_steps(self) -> int | None:
@@ -640,25 +687,24 @@ class Engine:
         return f"{head}, micro {micro} × accum {k} ({sizes}){why}"
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's own state: micro-batch, growth counters, memory fit, GradScaler, step count.
+        """The engine's own state: micro-batch policy, memory fit, GradScaler, step count.
 
         ``global_batch_size`` is the global batch over all ranks and ``world_size`` the ranks it
-        was saved on. Model, optimizer and scheduler are the caller's to checkpoint.
+        was saved on; ``policy`` holds the micro-batch (``policy["micro"]``) and its growth
+        counters, ``None`` before the first step and for a fixed micro-batch. Model, optimizer
+        and scheduler are the caller's to checkpoint.
         """
         return {
             "version": _STATE_VERSION,
             "global_batch_size": self._global,
             "world_size": self._world,
-            "micro_batch_size": self.micro_batch_size,
             "steps": self.steps,
-            "policy": None if self.policy is None else self.policy.state_dict(),
-            "fit": self.fit.state_dict(),
+            **self.batcher.state_dict(),  # policy, fit, micro_cap
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             # statistical efficiency: plain numbers and strings (weights_only=True loads them)
             "samples": self.samples_seen,
             "reference_batch_size": self._reference,
             "last_batch_change": self._last_change,
-            "micro_cap": None if self._micro_cap is None else list(self._micro_cap),
             "noise": None if self.noise_meter is None else self.noise_meter.state_dict(),
             "schedule": None if self.schedule is None else self.schedule.describe(),
             # sizing by length: the fit, verified lengths and corrections (batchpilot.train.lengths)
@@ -675,7 +721,7 @@ class Engine:
         ``micro_batch_size`` given to the constructor wins over the saved one. With ``lengths=``,
         the sizer continues from its saved model (no search again at a verified length); a state
         without it (saved before) leaves the sizer to fit on the first batch. States of
-        version 1 (whose ``global_batch_size`` was the per-rank batch) load too.
+        versions 2 and 1 (whose ``global_batch_size`` was the per-rank batch) load too.
 
         Raises:
             ValueError: the state comes from an unknown version, or its "lengths" is not a sizer's state.
@@ -708,21 +754,10 @@ class Engine:
         self._last_change = int(state.get("last_batch_change", 0))
         if self.noise_meter is not None and state.get("noise") is not None:
             self.noise_meter.load_state_dict(state["noise"])
-        self.fit.load_state_dict(state["fit"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._last_scale = None
-        saved = state.get("micro_batch_size")
-        if self.fixed or saved is None:
-            return
-        self._make_policy(min(int(saved), self._per_rank))
-        if state.get("policy") is not None:
-            self.policy.load_state_dict(state["policy"])
-        self.micro_batch_size = self.policy.micro
-        self.micro_batch_reason = f"resumed from a checkpoint at micro-batch {self.micro_batch_size}"
-        cap = state.get("micro_cap")
-        if cap is not None and saved_world in (None, self._world):
-            self._micro_cap = (int(cap[0]), int(cap[1]))
+        self.batcher.load_state_dict(state, per_rank=self._per_rank, same_world=saved_world in (None, self._world))
 
     # ------------------------------------------------------------------ schedule and noise
     def _commit_noise(self, skip_reason: str | None) -> NoiseSample | None:
@@ -791,37 +826,21 @@ class Engine:
             start = self._find_start(split)
         elif self.plan is not None:
             self._adopt_fit(self.plan)
-        self._choose_split(min(start, self._per_rank))
-        self.micro_batch_size = self.coordinator.agree_micro_batch(self.policy.micro)
-        if self.micro_batch_size < self.policy.micro:
-            self.micro_batch_reason = f"agreed with the other ranks (a smaller rank proposed {self.micro_batch_size})"
-        self.policy.adopt(self.micro_batch_size)
-        self.micro_batch_size = self.policy.micro
+        self.batcher.start(self._per_rank, min(start, self._per_rank), self.plan)
         logger.info("%s", self.describe())
 
-    def _choose_split(self, largest: int) -> None:
-        """The initial micro-batch: :func:`~batchpilot.policy.speed.choose_split` under ``largest``, timed by the
-        plan."""
-        plan = self.plan
-        if plan is not None:
-            # a throughput plan answers a smaller batch; the engine splits a fixed batch, so the
-            # memory bound is what fits, and the split is chosen by time below. A memory plan's
-            # answer is the bound (after a distributed search, the smallest rank's)
-            bound = plan.largest_fitting if plan.objective == "throughput" and plan.largest_fitting else plan.batch_size
-            largest = max(1, min(int(bound), self._per_rank))
-        curve = None
-        if plan is not None and self.config.split == "time":
-            try:
-                curve = TimeCurve(plan.timed_points())
-            except ValueError:  # fewer than two timed sizes: nothing to compare
-                curve = None
-        self.split = choose_split(self._per_rank, largest, step_time=curve, margin=self.config.split_margin,
-                                  smallest=curve.smallest if curve is not None else 1)
-        fewest = accum_steps(self._per_rank, largest)
-        # a split chosen for speed caps growth there: growing back would undo it
-        ceiling = self.split.micro_batch_size if self.split.accum_steps > fewest else None
-        self._make_policy(self.split.micro_batch_size, ceiling=ceiling)
-        self.micro_batch_reason = self.split.reason
+    def _size_by_length(self, split: BatchSplitter) -> None:
+        """The sizer's micro-batch for this step's length, adopted by the policy."""
+        assert self.lengths is not None
+        sized = self.lengths.size_step(split, self._per_rank)
+        self.lengths.start_step(self.batcher.size_for(sized.micro_batch_size, sized.reason, self._per_rank))
+
+    def _length_search(self, split: BatchSplitter) -> BatchPlan:
+        """The sizer's search at a length: a step's micro-batches accumulate, and no trial is timed."""
+        plan = self._search(split, accumulating=True, timed_steps=0)
+        if self.plan is None:
+            self.plan = plan
+        return plan
 
     def _share(self) -> str:
         """The per-rank batch in words, for error messages."""
@@ -847,13 +866,6 @@ class Engine:
             f"the batch has {n} samples, more than {self._share()}; give each rank its "
             f"share per step (a sampler with batch_size=global_batch_size // {self._world}), or raise "
             "global_batch_size"
-        )
-
-    def _make_policy(self, micro: int, ceiling: int | None = None) -> None:
-        cfg = self.config
-        self.policy = MicroBatchPolicy(
-            limit=self._per_rank, micro=micro, grow_after=cfg.grow_after,
-            backoff=cfg.backoff, max_wait=cfg.max_wait, ceiling=ceiling,
         )
 
     def _find_start(self, split: BatchSplitter) -> int:
@@ -892,14 +904,13 @@ class Engine:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
-        options = dict(self.config.find_options)
-        options.setdefault("target", self.target)
-        if self.config.split == "time":
-            options.setdefault("timed_steps", 3)  # the split is decided on these times: the fastest of three
-        if self.config.capacity is not None:
-            options.setdefault("capacity", self.config.capacity)
-        options.update(device=self.device, max_batch_size=min(split.size, self._per_rank))
-        options.update(overrides)
+        find = self.config.find
+        # one search size: the batch at hand, within this rank's share and the options' own bound
+        largest = min(split.size, self._per_rank, find.max_batch_size or split.size)
+        decided = dict(target=self.target, max_batch_size=largest)
+        if self.config.split == "time" and find.timed_steps is None:
+            decided["timed_steps"] = 3  # the split is decided on these times: the fastest of three
+        options = dict(device=self.device, options=FindOptions.build(find, **{**decided, **overrides}))
         if self.coordinator.lockstep:
             # FSDP: trials in lockstep on every rank (their forward runs collectives). A micro-batch
             # below the per-rank batch accumulates, and FSDP keeps the unsharded gradients between
@@ -923,11 +934,7 @@ class Engine:
 
     def _adopt_fit(self, plan: BatchPlan) -> None:
         """Use the finder's memory line as the prior until the engine has measured two sizes."""
-        fit = plan.fit
-        if fit is not None and fit.bytes_per_sample > 0:
-            # the finder's line is absolute; the engine models the increase over what is in use
-            fixed = max(0.0, float(fit.fixed_bytes) - self._step_gauge().current())
-            self.fit.prior = (fixed, float(fit.bytes_per_sample))
+        self.batcher.adopt_fit(plan, in_use=self._step_gauge().current())
 
     # ------------------------------------------------------------------ the step
     def _accumulate(
@@ -1101,28 +1108,6 @@ class Engine:
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 
-    # ------------------------------------------------------------------ retry state
-    def _snapshot(self) -> None:
-        if self._norm_buffers:
-            if self._saved_buffers is None:
-                self._saved_buffers = [b.detach().clone() for b in self._norm_buffers]
-            else:
-                torch._foreach_copy_(self._saved_buffers, self._norm_buffers)
-        if self.config.restore_rng:
-            self._rng = torch.get_rng_state()
-            self._device_rng = (
-                torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-            )
-
-    def _restore(self) -> None:
-        if self._saved_buffers is not None:
-            with torch.no_grad():
-                torch._foreach_copy_(self._norm_buffers, self._saved_buffers)
-        if self.config.restore_rng:
-            torch.set_rng_state(self._rng)
-            if self._device_rng is not None:
-                torch.cuda.set_rng_state(self._device_rng, self.device)
-
     # ------------------------------------------------------------------ adaptation
     def _step_gauge(self) -> Gauge:
         """The figure this step decides on: an emulation running around it, else the device's real memory."""
@@ -1132,7 +1117,7 @@ class Engine:
             key: tuple = ("tensors",) if tracker is not None else ("host",)
             emulated = None if tracker is None else (tracker.capacity or 0)
         else:
-            emulated = getattr(get_probe(dev), "_capacity_override", None)
+            emulated = emulated_capacity(dev)
             key = (dev.type, emulated)
         gauge = self._gauges.get(key)
         if gauge is None:
@@ -1146,129 +1131,22 @@ class Engine:
             self._step_capacity = self._probe.capacity()
         return self._step_capacity
 
-    def _max_fitting(self, measured: bool, start: int) -> int | None:
-        """Largest micro-batch the memory model fits under ``target`` for a step that begins with ``start`` bytes."""
-        if not measured or not self.config.adapt:
-            return None
-        return self.fit.max_fitting(self.target * self._capacity(), start)
-
-    def _shrink_after_oom(self, micro: int, measured: bool, message: str) -> None:
-        policy = self.policy
-        if self.lengths is not None:
-            self.lengths.on_oom(self._capacity())
-        # Halve (to an efficient size), without asking the memory model: its figures (peaks of
-        # earlier steps, what the failed attempt left in use, a host's free memory) differ from run
-        # to run, and near its boundary they flipped the same OOM between 32 -> 31 and 32 -> 16.
-        # The model still grows the micro-batch back after clean steps, and shrinks on pressure.
-        new = policy.on_oom()
-        if new is None:
-            capacity = self._capacity()
-            raise BatchDoesNotFitError(
-                f"out of memory at a micro-batch of 1 sample on {self.device} (capacity "
-                f"{format_bytes(capacity)}; {message}): the model, its gradients and optimizer "
-                "state do not fit; use a smaller model, mixed precision (amp='bf16'), or a larger device"
-            )
-        policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
-        self.micro_batch_size = policy.micro
-        self.micro_batch_reason = f"shrunk after an out-of-memory error at micro-batch {micro}"
-        logger.warning(
-            "out of memory at micro-batch %d; retrying the same %d samples at micro-batch %d",
-            micro, self._per_rank, self.micro_batch_size,
-        )
-
-    def _agree(self, oom: bool, micro: int, start_bytes: int, measured: bool, ooms: int) -> tuple[bool, bool]:
+    def _agree(self, oom: bool, micro: int, start_bytes: int, ooms: int) -> tuple[bool, bool]:
         """Agree on the attempt's OOM and on the next micro-batch in one call; ``(any OOM, pressure)``.
 
-        A rank whose attempt succeeded decides its next micro-batch first (on the peak the module
-        docstring describes) and proposes it. When another rank ran out of memory that decision is undone, so
-        the retry shrinks from the same policy state on every rank.
+        A rank whose attempt succeeded decides its next micro-batch first, on the peak the module
+        docstring describes (sizing by length: the sizer learns from it instead), and proposes it.
         """
-        policy = self.policy
         if oom:
-            # this rank's proposal is unused when any rank ran out; send the current size
-            return self.coordinator.agree(True, policy.micro)[0], False
-        # the policy holds only numbers: a shallow copy is a full snapshot, and costs a microsecond
-        saved = copy.copy(policy)
+            return self.batcher.agree_failed(), False
         # the optimizer step has not run yet: its peak is the last step's
-        peak = max(self._probe.peak(), self._apply_peak) if measured else 0
-        pressure = self._adapt(micro, peak, start_bytes, measured, ooms)
-        anyone, agreed = self.coordinator.agree(False, policy.micro)
-        if anyone:
-            self.policy = saved
-            return True, False
-        proposed, pending = policy.micro, self._pending_reason
-        self._pending_reason = None
-        policy.adopt(agreed)
-        if policy.micro != self.micro_batch_size:
-            if policy.micro < proposed:
-                self.micro_batch_reason = f"agreed with the other ranks (a smaller rank proposed {policy.micro})"
-            elif pending is not None:
-                self.micro_batch_reason = pending
-            self.micro_batch_size = policy.micro
-        return False, pressure
-
-    def _adapt(self, micro: int, peak: int, start_bytes: int, measured: bool, ooms: int) -> bool:
-        """Feed the attempt's outcome to the policy (its next micro-batch, not agreed yet). True on pressure."""
-        policy = self.policy
-        pressure = False
-        if self.lengths is not None:  # the next step is sized by its own length: no growth here
-            return self.lengths.observe(peak, self._capacity()) if measured else False
-        if measured and self.config.adapt:
-            capacity = self._capacity()
-            self.fit.observe(micro, peak, start_bytes)
-            retries = _alloc_retries(self.device)
-            thrashing = retries is not None and self._alloc_retries is not None and retries > self._alloc_retries
-            self._alloc_retries = retries
-            pressure = peak > self.config.high_water * capacity or thrashing
-            # the next step begins where this attempt began (the gradients still held now are
-            # freed by the optimizer step's zero_grad), so this attempt's start is the base
-            max_fitting = self._max_fitting(measured, start_bytes)
-            if pressure:
-                self._relieve(micro, peak, capacity, thrashing, max_fitting, start_bytes)
-            else:
-                self._futile_warned = False
-                if ooms == 0:
-                    before = policy.micro
-                    policy.on_clean(max_fitting)
-                    if policy.micro > before:
-                        self._pending_reason = (f"grown from {before} after {self.config.grow_after} clean steps: "
-                                                "the memory fit has room for fewer micro-batches")
-                        predicted = self.fit.predict(policy.micro, start_bytes) or 0
-                        logger.info("growing the micro-batch %d -> %d (predicted peak %s of %s)",
-                                    before, policy.micro, format_bytes(predicted), format_bytes(capacity))
-        elif ooms == 0:
-            policy.on_clean(None)
-        return pressure
-
-    def _relieve(
-        self, micro: int, peak: int, capacity: int, thrashing: bool, max_fitting: int | None, start: int
-    ) -> None:
-        """Shrink after a step above the high-water mark, unless shrinking cannot help."""
-        policy = self.policy
-        # when the memory model says half the micro-batch peaks as high, shrinking only slows
-        # training down: weights and optimizer state, not activations, fill the memory
-        smaller = self.fit.predict(max(1, micro // 2), start)
-        if smaller is not None and smaller > self.config.high_water * capacity and not policy.on_probation:
-            if not self._futile_warned:  # once per episode, not every step
-                self._futile_warned = True
-                logger.warning(
-                    "memory pressure at micro-batch %d (peak %s of %s) that a smaller micro-batch "
-                    "would not relieve: fixed memory (weights, optimizer state) fills the device",
-                    micro, format_bytes(peak), format_bytes(capacity),
-                )
-            return
-        self._futile_warned = False
-        before = policy.micro
-        policy.on_pressure(max_fitting)
-        if policy.micro != before:
-            self._pending_reason = (f"shrunk from {before}: memory pressure ("
-                                       + ("CUDA allocator retries" if thrashing else "peak over the high-water mark")
-                                       + ")")
-        logger.warning(
-            "memory pressure at micro-batch %d (peak %s of %s%s); next micro-batch %d",
-            micro, format_bytes(peak), format_bytes(capacity),
-            ", allocator retries rising" if thrashing else "", policy.micro,
-        )
+        peak = max(self._probe.peak(), self._apply_peak)
+        if self.lengths is None:
+            return self.batcher.agree_clean(micro, peak=peak, start_bytes=start_bytes, ooms=ooms)
+        # the next step is sized by its own length: no growth here
+        pressure = self.lengths.observe(peak, self._capacity())
+        anyone, _ = self.batcher.agree_clean(micro, peak=peak, start_bytes=start_bytes, ooms=ooms, observe=False)
+        return anyone, pressure and not anyone
 
 
 def _per_rank_batch(global_batch_size: int, world_size: int) -> int:
@@ -1293,22 +1171,6 @@ def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _running_stat_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """Buffers a forward pass mutates: BatchNorm / InstanceNorm running statistics."""
-    out = []
-    for mod in model.modules():
-        if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats:
-            out += [b for b in (mod.running_mean, mod.running_var, mod.num_batches_tracked) if b is not None]
-    return out
-
-
-def _alloc_retries(device: torch.device) -> int | None:
-    if device.type != "cuda" or not torch.cuda.is_initialized():
-        return None
-    # cudaMalloc failed, the allocator freed its cache and retried: thrashing just below an OOM
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _default_coordinator(fsdp: bool = False) -> Coordinator:

@@ -2,9 +2,12 @@
 
 The engine calls a :class:`LengthSizer` at three points: :meth:`LengthSizer.size_step` before a
 step (read the length, verify it by a real search when it is beyond the longest verified one,
-set the micro-batch), :meth:`LengthSizer.cut` inside it (length-aware splitting, opt-in), and
-:meth:`LengthSizer.observe` / :meth:`LengthSizer.on_oom` after an attempt (a model that
-under-predicted is derated). The model itself is :mod:`batchpilot.policy.lengths`.
+return the micro-batch the model allows, a :class:`LengthStep` the engine applies, then
+:meth:`LengthSizer.start_step` with the micro-batch it adopted), :meth:`LengthSizer.cut` inside
+it (length-aware splitting, opt-in), and :meth:`LengthSizer.observe` / :meth:`LengthSizer.on_oom`
+after an attempt (a model that under-predicted is derated). The sizer knows the engine only by
+what it is given: the searches run through the ``search`` function it is built with. The model
+itself is :mod:`batchpilot.policy.lengths`.
 
 Under ``torchrun`` (DDP) every rank must run as many micro-batches (DDP's forward broadcasts
 buffers, SyncBatchNorm gathers statistics), so every rank holds the same budget: the step is
@@ -21,26 +24,23 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch.distributed as dist
 
-from .._checks import add_note, check_int
-from ..core.batch import BatchSplitter, to_device
+from .._checks import check_int
+from ..core.batch import BatchLayout, BatchSplitter, to_device
 from ..core.ranks import group_size
 from ..core.seqbatch import LengthFn, gather_rows, padded_length, sample_lengths, trim_batch
-from ..find.lengths import LengthPlan, length_note
+from ..find.lengths import LengthPlan
+from ..find.notes import note_length_search
+from ..find.result import BatchPlan
 from ..memory.units import format_bytes
 from ..policy.lengths import LengthBudget, UnverifiedLengthError, fit_lengths, split_into
-from ..policy.search import BatchSizeError
 
-__all__ = ["LengthConfig", "LengthSizer", "make_sizer"]
+__all__ = ["LengthConfig", "LengthSizer", "LengthStep", "make_sizer"]
 
 logger = logging.getLogger(__name__)
-
-#: the :class:`~batchpilot.train.engine.Engine` a sizer serves: not imported, the engine imports this
-#: module and never the other way round
-EngineLike = Any
 
 #: lines refitted after a verification: the longest lengths, where memory runs out first
 _REFIT_LENGTHS = 3
@@ -96,8 +96,35 @@ class LengthConfig:
         return None if self.length_fn is not None else 1
 
 
-def make_sizer(engine: EngineLike, lengths: LengthConfig | bool | None, plan: Any) -> LengthSizer | None:
+@dataclass(frozen=True)
+class LengthStep:
+    """What :meth:`LengthSizer.size_step` decided for a step; the engine applies it.
+
+    Attributes:
+        length: the padded length the step is sized for (the longest rank's).
+        allowed: the micro-batch the memory model allows at that length.
+        micro_batch_size: ``allowed`` within ``[1, per-rank batch]``: the step's micro-batch.
+    """
+
+    length: int
+    allowed: int
+    micro_batch_size: int
+
+    @property
+    def reason(self) -> str:
+        return f"sized for length {self.length}: the memory model allows {self.allowed} samples"
+
+
+def make_sizer(
+    lengths: LengthConfig | bool | None, plan: BatchPlan | None, *, start: int | None, fixed: bool, fsdp: bool,
+    search: Callable[[BatchSplitter], BatchPlan], layout: BatchLayout, per_rank: int, param_bytes: int,
+    target: float, high_water: float, world: int, group: Any,
+) -> LengthSizer | None:
     """The engine's sizer, or ``None`` (no ``lengths`` and no :class:`LengthPlan` start).
+
+    ``plan`` and ``start`` are the engine's start (the plan it was given, and the first
+    micro-batch as an int); ``fixed``: its micro-batch is fixed; ``fsdp``: it trains a
+    ``fully_shard`` model. The other arguments are :class:`LengthSizer`'s.
 
     Raises:
         ValueError: ``lengths`` with a fixed micro-batch, a ``start`` that is an int, FSDP, or of
@@ -116,30 +143,48 @@ def make_sizer(engine: EngineLike, lengths: LengthConfig | bool | None, plan: An
         # the plan's batches were trimmed on this dim: the engine's are read on it too (a batch
         # without an attention_mask has no other length to read)
         lengths = dataclasses.replace(lengths, seq_dim=plan.seq_dim)
-    if engine.fixed:
+    if fixed:
         raise ValueError('lengths= sizes the micro-batch by the length: it needs micro_batch_size="auto"')
-    if engine._start is not None and engine.plan is None:
+    if start is not None and plan is None:
         raise ValueError(
             "start= with lengths= must be the LengthPlan of find_batch_size_for(..., lengths=...) (or None: the "
             "engine searches on the first batch); an int holds for one length only"
         )
-    if engine.plan is not None and not isinstance(engine.plan, LengthPlan):
+    if plan is not None and not isinstance(plan, LengthPlan):
         raise ValueError("start= with lengths= must be a LengthPlan: find_batch_size_for(..., lengths=(...))")
-    if engine._fsdp:
+    if fsdp:
         raise ValueError(
             "lengths= does not size FSDP steps yet (an OOM inside FSDP's collectives is replayed by one rank, "
             "which the sizer's exchanges between ranks do not follow); leave lengths out with fully_shard, or "
             "train with DDP"
         )
-    return LengthSizer(engine, lengths, engine.plan)
+    return LengthSizer(lengths, plan, search=search, layout=layout, per_rank=per_rank, param_bytes=param_bytes,
+                       target=target, high_water=high_water, world=world, group=group)
 
 
 class LengthSizer:
-    """Picks each step's micro-batch from its length; see the module docstring for the call order."""
+    """Picks each step's micro-batch from its length; see the module docstring for the call order.
 
-    def __init__(self, engine: EngineLike, config: LengthConfig, plan: LengthPlan | None) -> None:
-        self.engine = engine
+    Args:
+        config: how lengths are read and used.
+        plan: the finder's plan over lengths, or ``None`` (the first step fits one).
+        search: a real search on a batch's samples, all state put back (the engine's finder,
+            accumulating as a step does); its plan's fit and answer join the model.
+        layout: how the engine cuts a batch into micro-batches.
+        per_rank: the per-rank batch at construction (each :meth:`size_step` gives the current one).
+        param_bytes: bytes of the trained parameters' gradients, held beside later micro-batches.
+        target: the fraction of capacity a step may peak at before the model is corrected.
+        high_water: a step above ``high_water × capacity`` is memory pressure.
+        world: data-parallel ranks; ``group``: their process group (``None``: the default).
+    """
+
+    def __init__(self, config: LengthConfig, plan: LengthPlan | None, *,
+                 search: Callable[[BatchSplitter], BatchPlan], layout: BatchLayout, per_rank: int,
+                 param_bytes: int, target: float, high_water: float, world: int, group: Any) -> None:
         self.config = config
+        self.layout = layout
+        self.target = target
+        self.high_water = high_water
         self.budget: LengthBudget | None = None
         self.lines: dict[int, tuple[float, float]] = {}
         self.length: int | None = None  # the padded length this step is sized for (the longest rank's)
@@ -148,20 +193,22 @@ class LengthSizer:
         self.widths: list[int] = []  # and its padded length
         self.groups: list[list[int]] = []  # with split: each micro-batch's sample indices
         self.verifications = 0
+        self._search = search
+        self._per_rank = per_rank
         self._step_micro = 0
         # each search's largest fitting batch by length, and whether it stopped at the batch cap
         self._found: dict[int, tuple[int, bool]] = {}
-        self._group = engine.coordinator.group
-        self._world = engine.world_size
+        self._group = group
+        self._world = world
         self._events: list[tuple] = []  # what this rank learnt since the last exchange (several ranks)
         self._owner = True  # this rank holds the step's length (its search lines are the ones kept)
         self._synced = self._world == 1
         self._retry = False  # the step's next cut follows an attempt (whose lessons are to exchange)
         if plan is not None:
-            self.budget = plan.budget(engine.per_rank_batch_size)
+            self.budget = plan.budget(per_rank)
             # the finder's trials ran one micro-batch each; a step that accumulates runs its later
             # micro-batches beside the gradients of the earlier ones
-            self.budget.limit_bytes -= sum(p.numel() * p.element_size() for p in engine._params)
+            self.budget.limit_bytes -= param_bytes
             self.lines = {L: (p.fit.fixed_bytes, p.fit.bytes_per_sample)
                           for L, p in plan.length_plans.items() if p.fit is not None}
 
@@ -210,17 +257,19 @@ class LengthSizer:
         self.verifications = int(state.get("verifications", 0))
 
     # ------------------------------------------------------------------ before the step
-    def size_step(self, split: BatchSplitter) -> None:
-        """Read the length, verify it if needed, and set the engine's micro-batch for this step.
+    def size_step(self, split: BatchSplitter, per_rank: int) -> LengthStep:
+        """Read the length, verify it if needed: the micro-batch for this step, of at most ``per_rank``.
+
+        The engine adopts it and calls :meth:`start_step` with what it adopted.
 
         Raises:
             ValueError: the length cannot be read (see :func:`batchpilot.core.seqbatch.padded_length`).
             UnverifiedLengthError: beyond the verified maximum with ``beyond="error"``.
             batchpilot.policy.search.NothingFitsError: a verification finds that not one sample fits.
         """
-        e = self.engine
         cfg = self.config
-        L = self.width = padded_length(split, seq_dim=cfg.seq_dim, length_fn=cfg.length_fn, layout=e.layout)
+        self._per_rank = per_rank
+        L = self.width = padded_length(split, seq_dim=cfg.seq_dim, length_fn=cfg.length_fn, layout=self.layout)
         if self._world > 1:
             L = self._agree_length(L)
         self.length = L
@@ -232,16 +281,14 @@ class LengthSizer:
             if cfg.beyond == "error":
                 raise UnverifiedLengthError(L, self.budget.verified_max)
             self._verify(split, L)
-        self.budget.raise_cap(e.per_rank_batch_size)  # a schedule may have grown the per-rank batch
+        self.budget.raise_cap(per_rank)  # a schedule may have grown the per-rank batch
         allowed = self.budget.micro_batch(L)
-        micro = max(1, min(allowed, e.per_rank_batch_size))
-        if e.policy is None:
-            e._make_policy(micro)
-        else:
-            e.policy.adopt(micro)
-        e.micro_batch_size = self._step_micro = e.policy.micro
+        return LengthStep(length=L, allowed=allowed, micro_batch_size=max(1, min(allowed, per_rank)))
+
+    def start_step(self, micro: int) -> None:
+        """The step runs at ``micro`` (what the engine adopted from :meth:`size_step`); a retry's cut shrinks from it."""
+        self._step_micro = micro
         self._retry = False
-        e.micro_batch_reason = f"sized for length {L}: the memory model allows {allowed} samples"
 
     def _search_lines(self, split: BatchSplitter, L: int, ran: list[int]) -> None:
         """A real search on ``split`` (padded to ``L``): its line joins the model's, its answer ``_found[L]``.
@@ -251,12 +298,10 @@ class LengthSizer:
         An error keeps its type and gains a note naming ``L`` and the longest of ``ran``.
         """
         try:
-            plan = self.engine._search(split, accumulating=True, timed_steps=0)
+            plan = self._search(split)
         except Exception as exc:
-            add_note(exc, length_note(L, ran, own=not isinstance(exc, BatchSizeError)))
+            note_length_search(exc, L, ran)
             raise
-        if self.engine.plan is None:
-            self.engine.plan = plan
         if self._owner:
             line = None
             if plan.fit is not None and plan.fit.bytes_per_sample > 0:
@@ -270,7 +315,6 @@ class LengthSizer:
 
     def _first_fit(self, split: BatchSplitter, L: int) -> None:
         """No plan given: searches at this batch's length and its half and quarter (trimmed)."""
-        e = self.engine
         if self.config.length_fn is not None and self.config.seq_dim is None:
             raise ValueError(
                 "length_fn alone cannot build the shorter batches the first fit needs; declare seq_dim= too, or "
@@ -283,7 +327,7 @@ class LengthSizer:
         for i, length in enumerate(fit_at):
             # a rank whose batch is shorter than the length searches at its own (only the owner's line is kept)
             sub = split if length >= self.width else BatchSplitter(
-                trim_batch(split, length, seq_dim=self.config.trim_dim, width=self.width, copy=True), e.layout)
+                trim_batch(split, length, seq_dim=self.config.trim_dim, width=self.width, copy=True), self.layout)
             self._search_lines(sub, length, fit_at[:i])
         self._exchange()
         verified = {length: self._found[length][0] for length in fit_at}
@@ -293,7 +337,7 @@ class LengthSizer:
                 "samples is too small to measure); pass start=find_batch_size_for(..., lengths=(...))"
             )
         self.budget = LengthBudget(fit=self._refit(), limit_bytes=self.limit, verified=verified,
-                                   max_batch_size=e.per_rank_batch_size,
+                                   max_batch_size=self._per_rank,
                                    capped={length for length in fit_at if self._found[length][1]})
         logger.info("memory over lengths fitted at %s: %s", fit_at, self.budget.fit)
 
@@ -329,7 +373,7 @@ class LengthSizer:
 
         assert self.budget is not None and self.length is not None
         real = sample_lengths(split.batch)
-        per_rank = self.engine.per_rank_batch_size
+        per_rank = self._per_rank
         shrink = min(1.0, micro / self._step_micro) if self._step_micro else 1.0
 
         def budget(L: int) -> int:
@@ -349,7 +393,7 @@ class LengthSizer:
 
         Trimmed before gathering, so the only copy is the micro-batch itself (``b × width``).
         """
-        narrow = BatchSplitter(self.trim(split.batch, self.widths[i]), self.engine.layout)
+        narrow = BatchSplitter(self.trim(split.batch, self.widths[i]), self.layout)
         return to_device(gather_rows(narrow, self.groups[i]), device)
 
     def trim(self, micro_batch: Any, width: int) -> Any:
@@ -357,7 +401,7 @@ class LengthSizer:
         if width == self.width:
             return micro_batch
         return trim_batch(micro_batch, width, seq_dim=self.config.trim_dim, width=self.width,
-                          layout=self.engine.layout)
+                          layout=self.layout)
 
     # ------------------------------------------------------------------ after an attempt
     def _predicted(self) -> tuple[float, int]:
@@ -371,9 +415,8 @@ class LengthSizer:
 
         Returns True on memory pressure (over ``high_water``).
         """
-        e = self.engine
-        pressure = peak > e.config.high_water * capacity
-        if self.budget is not None and self.sizes and peak > e.target * capacity:
+        pressure = peak > self.high_water * capacity
+        if self.budget is not None and self.sizes and peak > self.target * capacity:
             predicted, width = self._predicted()
             if peak > predicted > 0:
                 budget = self.budget
@@ -386,7 +429,7 @@ class LengthSizer:
                 if not modelled:
                     self._emit(("cut_verified", width, factor))
                 logger.warning("lengths %s: the step peaked at %s, over the target %.0f%% of %s, %.2fx the model's "
-                               "%s; %s", sorted(set(self.widths)), format_bytes(peak), 100 * e.target,
+                               "%s; %s", sorted(set(self.widths)), format_bytes(peak), 100 * self.target,
                                format_bytes(capacity), factor, format_bytes(predicted),
                                f"lengths near {sorted(modelled)} are sized for that from now on" if modelled
                                else f"the verified answer at {width} is cut by that")
@@ -460,7 +503,7 @@ class LengthSizer:
 
     def _agree_length(self, width: int) -> int:
         """The longest of the ranks' padded lengths (after one state from rank 0 on the first step)."""
-        from ..dist.distributed import _all_reduce_ints
+        from ..dist.distributed import all_reduce_ints
 
         if not self._synced:  # per-rank plans or checkpoints may differ: rank 0's holds for all
             state = [self.state_dict()]
@@ -471,7 +514,7 @@ class LengthSizer:
             self._synced = True
         rank, world = dist.get_rank(self._group), self._world
         # one all-reduce: the longest width and, among the ranks that hold it, the lowest rank
-        key, pending = _all_reduce_ints([width * world + (world - 1 - rank), len(self._events)], "max",
+        key, pending = all_reduce_ints([width * world + (world - 1 - rank), len(self._events)], "max",
                                         group=self._group)
         longest, self._owner = key // world, world - 1 - key % world == rank
         if pending:

@@ -558,7 +558,7 @@ def default_mode(follower: str | None) -> str:
     return "first" if follower is None else "every"
 
 
-def make_meter(noise: bool | NoiseConfig | None, *, world: int, coordinator: Any,
+def make_meter(noise: bool | NoiseConfig | None, *, world: int, deferred: bool,
                follower: str | None = None) -> NoiseMeter | None:
     """The engine's meter for ``noise``, or ``None`` (nothing measured).
 
@@ -566,13 +566,15 @@ def make_meter(noise: bool | NoiseConfig | None, *, world: int, coordinator: Any
     that reads the noise scale; ``True`` is ``NoiseConfig()``; ``False`` measures nothing. A
     config without a mode gets :func:`default_mode`; a mode given is kept, and a ``first``
     under a follower is announced (its estimate settles in about 200 steps). ``follower`` also
-    makes a missing measurement an error and turns ``split="auto"`` on. Over several ranks the
-    coordinator must sum the local norms (``sync_gradients_and_sum`` and ``sum_over_ranks``);
-    without them nothing is measured.
+    makes a missing measurement an error and turns ``split="auto"`` on. ``world`` and
+    ``deferred`` are the coordinator's: its ranks, and whether it syncs the gradients after the
+    backward (:attr:`batchpilot.dist.coordinator.Coordinator.defer_grad_sync`); over several
+    ranks the meter's local norms are summed by the coordinator's ``sync_gradients_and_sum``
+    and ``sum_over_ranks``, which the protocol declares.
 
     Raises:
         TypeError: ``noise`` is not None, a bool or a :class:`NoiseConfig`.
-        ValueError: ``follower`` is set and the noise scale would not be measured.
+        ValueError: ``follower`` is set and ``noise`` is False.
     """
     if noise is None:
         noise = follower is not None
@@ -591,12 +593,5 @@ def make_meter(noise: bool | NoiseConfig | None, *, world: int, coordinator: Any
     elif noise.mode == "first" and follower is not None:
         logger.info("noise mode first (beta %s) under the %s schedule, as asked: its estimate settles in about "
                     "200 steps; NoiseConfig(mode=None or \"every\") settles in about 40", noise.beta, follower)
-    if world > 1 and not (hasattr(coordinator, "sync_gradients_and_sum") and hasattr(coordinator, "sum_over_ranks")):
-        message = (f"{type(coordinator).__name__} over {world} ranks cannot sum the noise scale's norms "
-                   "(no sync_gradients_and_sum / sum_over_ranks)")
-        if follower is not None:
-            raise ValueError(message + "; use batchpilot.dist.distributed.DistributedCoordinator")
-        logger.info("%s: the gradient noise scale is not measured", message)
-        return None
     split = follower is not None if noise.split == "auto" else bool(noise.split)
-    return NoiseMeter(noise, world=world, deferred=bool(getattr(coordinator, "defer_grad_sync", False)), split=split)
+    return NoiseMeter(noise, world=world, deferred=deferred, split=split)

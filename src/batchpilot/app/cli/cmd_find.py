@@ -11,12 +11,10 @@ from torch import nn
 
 from ...find.front import find_batch_size_for
 from ...memory.units import format_bytes
-from ...policy.search import STRATEGIES
-from ...policy.speed import OBJECTIVES, SPEED_TOLERANCE
 from .. import report
 from .common import (
-    UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, device_or_fail,
-    non_negative_int, positive_int, speed_fraction,
+    UsageError, add_find_options, add_length_options, add_model_options, add_verbose, device_or_fail,
+    find_options_of,
 )
 from .workload import Workload
 
@@ -41,21 +39,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add_model_options(p)
     d = p.add_argument_group("device")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the accelerator if any, else cpu)")
-    d.add_argument("--capacity", metavar="SIZE", type=byte_size, default=None,
-                   help="size the batch for this much memory, e.g. 2GiB: on CPU an emulated device that raises "
-                        "a real OutOfMemoryError past it, on CUDA a per-process memory fraction (default: the "
-                        "device's real memory; on CPU, with --max-batch-size, the process's resident memory "
-                        "against its container limit, RLIMIT_AS or free RAM, whichever is tightest)")
-    add_fit_options(p)
+    add_find_options(d, ["capacity"], notes={
+        "capacity": "on CPU an emulated device that raises a real OutOfMemoryError past it, on CUDA a per-process "
+                    "memory fraction; on CPU without it, with --max-batch-size, the process's resident memory "
+                    "against its container limit, RLIMIT_AS or free RAM, whichever is tightest"})
+    add_find_options(p, ["target", "max_batch_size"])
     add_length_options(p)
     s = p.add_argument_group("search")
-    s.add_argument("--strategy", choices=tuple(STRATEGIES), default="predict",
-                   help="predict: fit memory = fixed + per-sample x batch from small trials and verify the answer "
-                        "(fewest trials); power, binsearch: Lightning's; decay: timm's (default: %(default)s)")
-    s.add_argument("--min-batch-size", metavar="N", type=positive_int, default=1,
-                   help="smallest batch to consider (default: %(default)s)")
-    s.add_argument("--steps-per-trial", metavar="N", type=positive_int, default=2,
-                   help="training steps per trial; 2 or more count the optimizer state (default: %(default)s)")
+    add_find_options(s, ["strategy", "min_batch_size", "steps_per_trial"], notes={
+        "strategy": "power and binsearch are Lightning's, decay is timm's"})
     s.add_argument("--plan-first", action="store_true",
                    help="plan the first real trial on fake tensors (one planning pass, no device memory), then "
                         "verify it: fewer real trials and OOMs where trials are expensive (GPUs); falls back "
@@ -66,20 +58,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "an emulated CPU capacity they run eagerly")
     s.add_argument("--seed", type=int, default=0, help="seed of the model weights and random inputs (default: %(default)s)")
     v = p.add_argument_group("speed")
-    v.add_argument("--objective", choices=OBJECTIVES, default="memory",
-                   help="memory: the largest batch that fits; throughput: the smallest fitting batch whose samples/s "
-                        "is within --speed-tolerance of the fastest measured, found by timing a few smaller sizes "
-                        "(default: %(default)s)")
-    v.add_argument("--speed-tolerance", metavar="FRACTION", type=speed_fraction, default=SPEED_TOLERANCE,
-                   help="share of the best samples/s the throughput objective may give up, in [0, 0.5) "
-                        "(default: %(default)s, DeepSpeed's plateau rule)")
-    v.add_argument("--timed-steps", metavar="N", type=non_negative_int, default=None,
-                   help="steps timed per fitting trial after a warm-up step, the fastest counting (default: 1 "
-                        "for memory, 3 for throughput; 0 times nothing)")
+    add_find_options(v, ["objective", "speed_tolerance", "timed_steps"], notes={
+        "objective": "the throughput search times a few sizes below the largest that fits",
+        "speed_tolerance": "0.05 is DeepSpeed's plateau rule"})
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="also write a PNG of peak memory and samples/s against batch size, the chosen one marked")
     p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_find_options(p, ["progress"])
     add_verbose(p)
     p.set_defaults(handler=run)
     return p
@@ -176,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         if args.objective == "throughput":
             raise UsageError("--seq-lens answers the largest batch per length; drop --objective throughput")
         workload = workload.at_lengths(args.seq_lens)
+    options = find_options_of(args)  # every finder flag, checked before anything is built
     backend = _compile_backend(args.compile)
     torch.manual_seed(args.seed)
     model = workload.build_model().to(device)
@@ -184,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if backend is not None:
         model = torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(args.seed)
-    with report.logging_through_progress(not args.no_progress):
+    with report.logging_through_progress(options.progress):
         # a fresh host batch per step (only its inputs are live, as when a loader feeds the
         # device); the finder moves it to the device, the planner (--plan-first) makes it fake
         if args.seq_lens is None:
@@ -193,14 +179,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             batch = lambda b, L: workload.batch_at(b, L, generator=generator)  # noqa: E731
             lengths = {"lengths": args.seq_lens, "seq_dim": 1}  # the sequence is the inputs' first dim
-        plan = find_batch_size_for(
-            model, batch, optimizer=optimizer, **lengths,
-            loss_fn=nn.CrossEntropyLoss(), amp=args.amp, plan_first=args.plan_first, device=device, target=args.target,
-            capacity=args.capacity, strategy=args.strategy, min_batch_size=args.min_batch_size,
-            max_batch_size=args.max_batch_size, steps_per_trial=args.steps_per_trial,
-            progress=not args.no_progress, objective=args.objective, speed_tolerance=args.speed_tolerance,
-            timed_steps=args.timed_steps,
-        )
+        plan = find_batch_size_for(model, batch, optimizer=optimizer, **lengths, loss_fn=nn.CrossEntropyLoss(),
+                                   amp=args.amp, plan_first=args.plan_first, device=device, options=options)
     if args.plan_first and plan.seeded_by is None:
         print("batchpilot find: note: --plan-first found no plan to start from (-v says why); searched unseeded",
               file=sys.stderr)

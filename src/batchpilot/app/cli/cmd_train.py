@@ -11,11 +11,11 @@ import torch
 from ...core.amp import AMP_MODES
 from ...memory.units import format_bytes
 from ...policy.schedule import LR_SCALE_RULES, SCHEDULE_SPECS, parse_schedule
-from ...policy.search import STRATEGIES
 from .. import report
 from ..trainjob import DEFAULT_CPU_CAPACITY, NOISE_CHOICES, OPTIMIZERS, TrainConfig, TrainResult, run_training
 from .common import (
-    UsageError, add_verbose, byte_size, device_or_fail, fraction, non_negative_int, positive_float, positive_int,
+    UsageError, add_find_options, add_verbose, byte_size, device_or_fail, fraction, non_negative_int,
+    positive_float, positive_int,
 )
 from .workload import load_factory
 
@@ -116,10 +116,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="memory the job may use, e.g. 2MiB: emulated on CPU (a real OutOfMemoryError past it), a "
                         f"memory fraction on CUDA; auto = {format_bytes(DEFAULT_CPU_CAPACITY)} on CPU, the whole "
                         "device elsewhere; none = the whole device (default: %(default)s)")
-    m.add_argument("--target", metavar="FRACTION", type=fraction, default=0.8,
-                   help="fraction of the capacity to aim for, below 0.95 (default: %(default)s)")
-    m.add_argument("--strategy", choices=tuple(STRATEGIES), default="predict",
-                   help="the finder's search strategy (default: %(default)s)")
+    add_find_options(m, ["target", "strategy"], notes={
+        "target": "below 0.95 for training: the engine aims its grown micro-batches at it too",
+        "strategy": "the finder's, for the first micro-batch"})
     m.add_argument("--grow-after", metavar="STEPS", type=positive_int, default=10,
                    help="clean steps before the engine tries a larger micro-batch (default: %(default)s)")
     m.add_argument("--squeeze-at", metavar="STEP", type=_squeeze_at, default="auto",

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any, Iterable
 
 import torch
 
 from ...core.amp import AMP_MODES
+from ...find.options import FindOptions, option_default, option_help
 from ...memory.units import parse_bytes, resolve_device
+from ...policy.search import STRATEGIES
+from ...policy.speed import OBJECTIVES
 from ..trainjob import OPTIMIZERS
 
 __all__ = [
@@ -23,6 +27,9 @@ __all__ = [
     "lengths",
     "add_model_options",
     "add_fit_options",
+    "add_find_options",
+    "find_options_of",
+    "FIND_FLAGS",
     "add_verbose",
     "device_or_fail",
     "OPTIMIZERS",
@@ -164,10 +171,62 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                    help="run the forward pass under autocast in bfloat16 or float16 (default: off)")
 
 
+#: The finder's options (:class:`~batchpilot.find.options.FindOptions`) as flags: what argparse needs
+#: besides the help and the default, which come from the field. The flag is ``--field-name`` unless
+#: ``flag`` names another; ``default`` only where the command line's differs from the API's.
+#: The flag names are a contract (docs/cli.md). Options without a flag: ``first_guess``
+#: (``--plan-first`` seeds it), ``max_trials``, ``tolerance``, ``snapshot``.
+FIND_FLAGS: dict[str, dict[str, Any]] = {
+    "target": dict(metavar="FRACTION", type=fraction),
+    "capacity": dict(metavar="SIZE", type=byte_size),
+    "strategy": dict(choices=tuple(STRATEGIES)),
+    "min_batch_size": dict(metavar="N", type=positive_int),
+    "max_batch_size": dict(metavar="N", type=positive_int),
+    "steps_per_trial": dict(metavar="N", type=positive_int),
+    "progress": dict(flag="--no-progress", action="store_false", default=True),
+    "objective": dict(choices=OBJECTIVES, default="memory"),  # find sizes training: None is "memory" there
+    "speed_tolerance": dict(metavar="FRACTION", type=speed_fraction),
+    "timed_steps": dict(metavar="N", type=non_negative_int),
+}
+
+
+def add_find_options(parser: Any, names: Iterable[str], *, notes: dict[str, str] | None = None,
+                     defaults: dict[str, Any] | None = None) -> None:
+    """Add the flags of the finder's options ``names`` (see :data:`FIND_FLAGS`) to ``parser`` or a group.
+
+    Each flag's help is the option's own documentation (:func:`~batchpilot.find.options.option_help`),
+    followed by ``notes[name]`` (what the option means for this command) and its default.
+    """
+    for name in names:
+        spec = dict(FIND_FLAGS[name])
+        flag = spec.pop("flag", "--" + name.replace("_", "-"))
+        spec.setdefault("default", option_default(name))
+        if defaults and name in defaults:
+            spec["default"] = defaults[name]
+        text, _, unset = option_help(name).partition("; None: ")
+        shown = " (default: %(default)s)"
+        if spec.get("action") == "store_false":
+            text, shown = f"turn off: {text}", ""
+        elif unset and spec["default"] is None:
+            text, shown = f"{text}; not given: {unset}", ""
+        note = (notes or {}).get(name)
+        spec["help"] = text.replace("%", "%%") + (f"; {note}" if note else "") + shown
+        parser.add_argument(flag, dest=name, **spec)
+
+
+def find_options_of(args: argparse.Namespace, names: Iterable[str] = FIND_FLAGS) -> FindOptions:
+    """The finder's options the flags of ``names`` set (the rest at their defaults).
+
+    Raises:
+        batchpilot.policy.search.BatchSizeError: values the finder refuses together (min above max).
+    """
+    return FindOptions.build(**{name: getattr(args, name) for name in names})
+
+
 def add_fit_options(parser: argparse.ArgumentParser) -> None:
-    """``--target`` and the batch size bounds, shared by every command that sizes a batch."""
+    """``--target`` and ``--max-batch-size`` of the planner (``batchpilot plan``), the finder's defaults."""
     parser.add_argument(
-        "--target", metavar="FRACTION", type=fraction, default=0.8,
+        "--target", metavar="FRACTION", type=fraction, default=option_default("target"),
         help="use at most this fraction of the capacity, in (0, 1] (default: %(default)s)",
     )
     parser.add_argument("--max-batch-size", metavar="N", type=positive_int, default=None,

@@ -1,0 +1,39 @@
+"""Inference sized by length: scoring (forward only) and generation (a KV cache that grows).
+
+- :mod:`~batchpilot.infer.score`: ``score_by_length`` runs forward-only requests (log-likelihoods,
+  perplexity, embeddings) longest first, each batch sized for its own padded length;
+- :mod:`~batchpilot.infer.generate`: ``generate_by_length`` batches ``model.generate`` by prompt length;
+- :mod:`~batchpilot.infer.genmemory`: ``GenerationMemory``, the memory of ``generate`` over batch,
+  prompt length and new tokens, fitted by ``fit_generation_memory`` from real trials.
+
+The names are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "score_by_length": "score",
+    "LengthScorer": "score",
+    "ScoreBatch": "score",
+    "generate_by_length": "generate",
+    "GenerationMemory": "genmemory",
+    "fit_generation_memory": "genmemory",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchpilot.infer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

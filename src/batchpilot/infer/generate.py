@@ -1,0 +1,396 @@
+"""``model.generate`` over many prompts, batched by prompt length and sized from the memory model.
+
+:func:`generate_by_length` fits :class:`~batchpilot.infer.genmemory.GenerationMemory` on the prompts'
+lengths (at most three real trials per fitted length), cuts the prompts longest first into
+batches each sized for its own padded length (:func:`~batchpilot.policy.lengths.plan_length_split`),
+left-pads each batch, and returns every prompt's new tokens in input order; an OOM mid-run splits
+the failing batch and retries it, with the model corrected for the batches after it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import numbers
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .._checks import positive_int
+from ..find.notes import add_note
+from ..memory.oom import attempt, is_oom
+from ..memory.units import resolve_device
+from ..policy.lengths import plan_length_split
+from ..policy.search import FIT, NothingFitsError
+from .genmemory import (
+    GenerationFitError,
+    GenerationMemory,
+    GenerationTrial,
+    MemoryRoom,
+    check_token_id,
+    context_length,
+    eos_ids,
+    fit_in,
+    memory_room,
+    model_device,
+)
+
+__all__ = ["Generations", "generate_by_length"]
+
+logger = logging.getLogger(__name__)
+
+#: generate's arguments that generate_by_length sets itself, with how to say them instead
+_OWN_ARGUMENTS = {
+    "input_ids": "pass the prompts as the second argument",
+    "inputs": "pass the prompts as the second argument",
+    "attention_mask": "generate_by_length pads the prompts and makes the mask itself",
+    "max_length": "use max_new_tokens (the total varies with each prompt's length)",
+}
+#: arguments by which something other than EOS and max_new_tokens may end a row (then generate pads it)
+_OTHER_STOPS = ("stopping_criteria", "stop_strings", "max_time")
+
+
+class Generations(list):
+    """The new tokens of each prompt, in input order (a ``list`` of ``list[int]``), and how they were made.
+
+    Attributes:
+        memory: the memory model the batches were sized by (``None``: the fit was refused and
+            the batches were sized by the trials that ran, see ``sized_by``).
+        sized_by: ``"model"``, ``"trials"`` (a refused fit's fallback) or ``"none"`` (no prompt).
+        trials: the sizing trials (real ``generate`` calls on made-up prompts).
+        batches: ``(batch size, padded length, max_new_tokens)`` of every batch that completed, in order.
+        ooms: batches that ran out of memory and were split (after sizing).
+        sizing_seconds: the trials' wall time; ``seconds``: the whole call's.
+    """
+
+    memory: GenerationMemory | None = None
+    sized_by: str = "none"
+    trials: list[GenerationTrial]
+    batches: list[tuple[int, int, int]]
+    ooms: int = 0
+    sizing_seconds: float = 0.0
+    seconds: float = 0.0
+
+    def __init__(self, rows: Sequence[list[int]] = ()) -> None:
+        super().__init__(rows)
+        self.trials, self.batches = [], []
+
+    @property
+    def generate_calls(self) -> int:
+        """Calls of ``generate`` made: the trials, the batches and the ones that ran out of memory."""
+        return len(self.trials) + len(self.batches) + self.ooms
+
+
+@dataclass
+class _ModelSizer:
+    """Batch sizes from the memory model in this room; an OOM scales the model."""
+
+    memory: GenerationMemory
+    room: MemoryRoom
+    max_new_tokens: int
+    cap: int
+
+    def __call__(self, length: int) -> int:
+        return self.memory.max_batch(length, self.max_new_tokens, limit_bytes=self.room.limit_bytes,
+                                     start_bytes=self.room.start_bytes, max_batch_size=self.cap)
+
+    def note_oom(self, batch_size: int, length: int, max_new_tokens: int) -> None:
+        self.memory.note_oom(batch_size, length, max_new_tokens, capacity_bytes=self.room.capacity_bytes,
+                             start_bytes=self.room.start_bytes)
+
+    def observe(self, batch_size: int, length: int, max_new_tokens: int, growth_bytes: int) -> bool:
+        return self.memory.observe(batch_size, length, max_new_tokens, growth_bytes, room_bytes=self.room.room_bytes)
+
+
+@dataclass
+class _TrialSizer:
+    """A refused fit's fallback: the largest batch a trial ran within the limit at a shape at least as long.
+
+    A shorter prompt with as many new tokens needs no more memory, so what ran there fits; with
+    no such trial, one prompt at a time. An OOM halves every answer from then on.
+    """
+
+    trials: list[GenerationTrial]
+    max_new_tokens: int
+    cap: int
+    ceiling: int | None = None
+
+    def __call__(self, length: int) -> int:
+        ran = [t.batch_size for t in self.trials if t.outcome == FIT and t.prompt_length >= length
+               and t.max_new_tokens >= self.max_new_tokens]
+        answer = min(max(ran, default=1), self.cap)
+        return answer if self.ceiling is None else min(answer, self.ceiling)
+
+    def note_oom(self, batch_size: int, length: int, max_new_tokens: int) -> None:
+        self.ceiling = max(1, batch_size // 2) if self.ceiling is None else max(1, min(self.ceiling, batch_size // 2))
+
+    def observe(self, batch_size: int, length: int, max_new_tokens: int, growth_bytes: int) -> bool:
+        return False  # no model to correct
+
+
+def _prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
+    """``prompts`` as lists of token ids, checked (before anything runs)."""
+    if isinstance(prompts, torch.Tensor):
+        raise TypeError(f"prompts is a tensor of shape {tuple(prompts.shape)}: give one sequence of token ids per "
+                        "prompt, without padding (e.g. [row[mask].tolist() for row, mask in zip(ids, attention_mask.bool())])")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a sequence of token-id sequences (one list of ints per prompt), got "
+                        f"{type(prompts).__name__}; tokenize first, e.g. [tokenizer(t).input_ids for t in texts]")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            if p.dim() != 1:
+                raise ValueError(f"prompt {i} is a tensor of shape {tuple(p.shape)}: give each prompt as one "
+                                 "sequence of token ids (a 1-D tensor or a list), without padding")
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: generate needs at least one token to start from (a BOS token)")
+        ids = []
+        for tok in p:
+            if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
+                raise ValueError(f"prompt {i} holds {tok!r}, which is no token id (an int >= 0)")
+            if vocab is not None and tok >= vocab:
+                raise ValueError(f"prompt {i} holds token id {tok}, outside the model's vocabulary of {vocab} "
+                                 "(a tokenizer of another model?)")
+            ids.append(int(tok))
+        out.append(ids)
+    return out
+
+
+def _new_tokens(max_new_tokens: Any, count: int) -> list[int]:
+    if isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool):
+        return [positive_int("max_new_tokens", max_new_tokens)] * count
+    if isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Sequence):
+        raise TypeError(f"max_new_tokens must be a positive int or one per prompt, got {max_new_tokens!r}")
+    if len(max_new_tokens) != count:
+        raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {count} prompts: give one per prompt "
+                         "or a single int")
+    return [positive_int(f"max_new_tokens[{i}]", n) for i, n in enumerate(max_new_tokens)]
+
+
+def _vocab_size(model: Any) -> int | None:
+    embeddings = getattr(model, "get_input_embeddings", None)
+    table = embeddings() if callable(embeddings) else None
+    rows = getattr(table, "num_embeddings", None)
+    if isinstance(rows, int):
+        return rows
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _check_context(model: Any, prompts: list[list[int]], news: list[int]) -> None:
+    context = context_length(model)
+    if context is None:
+        return
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        if n >= context:
+            raise ValueError(f"max_new_tokens={n} leaves no room for a prompt in the model's context of {context} "
+                             f"positions: ask for at most {context - 1} new tokens")
+        if len(p) > context:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than the model's context of {context}: truncate it "
+                             f"(keep its last {context - n} tokens to leave room for {n} new ones)")
+        if len(p) + n > context:
+            raise ValueError(f"prompt {i} has {len(p)} tokens and max_new_tokens={n}: {len(p) + n} positions, more "
+                             f"than the model's context of {context}; keep its last {context - n} tokens or ask for "
+                             f"at most {context - len(p)} new ones")
+
+
+def _check_generate_kwargs(model: Any, kwargs: Mapping[str, Any]) -> None:
+    for name, how in _OWN_ARGUMENTS.items():
+        if name in kwargs:
+            raise ValueError(f"generate_by_length sets {name} itself: {how}")
+    returns = kwargs.get("num_return_sequences", 1)
+    if returns not in (None, 1):
+        raise ValueError(f"num_return_sequences={returns!r}: generate_by_length returns one sequence per prompt; "
+                         "repeat a prompt to get several")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError("generate_by_length left-pads prompts for a decoder-only model; this model is an "
+                         "encoder-decoder (its generate returns no prompt to cut off)")
+    if not callable(getattr(model, "generate", None)):
+        raise TypeError(f"{type(model).__name__} has no generate(); pass a causal LM with a Hugging Face-style "
+                        "generate(input_ids, attention_mask=..., max_new_tokens=...)")
+
+
+def _run_batch(model: Any, prompts: list[list[int]], length: int, max_new_tokens: int, pad_token_id: int,
+               kwargs: dict[str, Any], device: torch.device) -> list[list[int]]:
+    """One left-padded batch through ``generate``: each row's new tokens (as generate returns them)."""
+    ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, length - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, length - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
+    except Exception as exc:
+        if not is_oom(exc):  # an OOM is the batch's answer, caught by attempt()
+            add_note(exc, f"batchpilot: in a generate batch of {len(prompts)} prompts padded to {length} tokens, "
+                          f"max_new_tokens={max_new_tokens}")
+        raise
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences  # return_dict_in_generate=True
+    return sequences[:, length:].tolist()
+
+
+def _finish(row: list[int], max_new_tokens: int, eos: tuple[int, ...], pad_token_id: int, other_stops: bool) -> list[int]:
+    """A row as generating its prompt alone gives it: its own length, up to and with its first EOS."""
+    row = row[:max_new_tokens]
+    for k, tok in enumerate(row):
+        if tok in eos:
+            return row[:k + 1]
+    if other_stops:  # another criterion ended the row; generate padded it to the batch's end
+        while row and row[-1] == pad_token_id:
+            row.pop()
+    return row
+
+
+def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: MemoryRoom, out: Generations, *,
+         pad: int, eos: tuple[int, ...], other_stops: bool, kwargs: dict[str, Any]) -> list[list[int]]:
+    """Every prompt through ``generate`` in batches, longest first; an OOM splits its batch; each row's tokens."""
+    lengths = [len(p) for p in rows]
+    dev = room.device
+
+    def budget(length: int) -> int:
+        return max(1, sizer(length))  # a model that fits none: one prompt, and the run decides
+
+    def replan(first: list[tuple[list[int], int]], rest: list[int]) -> collections.deque:
+        later = plan_length_split([lengths[i] for i in rest], budget) if rest else []
+        return collections.deque(first + [([rest[k] for k in p], L) for p, L in later])
+
+    results: list[list[int] | None] = [None] * len(rows)
+    queue = collections.deque(plan_length_split(lengths, budget))
+    while queue:
+        idx, length = queue.popleft()
+        n = max(news[i] for i in idx)
+        room.gauge.reset()
+        before = int(room.gauge.current())
+        done = attempt(_run_batch, model, [rows[i] for i in idx], length, n, pad, kwargs, dev, device=dev)
+        rest = [i for ids, _ in queue for i in ids]
+        if done.oom:
+            out.ooms += 1
+            if len(idx) == 1:
+                raise NothingFitsError(
+                    f"prompt {idx[0]} ({length} tokens, max_new_tokens={n}) ran out of memory alone on {dev} "
+                    f"({done.message}); shorten it or max_new_tokens, or use more memory",
+                    batch_size=1, peak_bytes=None, limit_bytes=room.limit_bytes, capacity_bytes=room.capacity_bytes)
+            logger.info("a batch of %d prompts padded to %d ran out of memory: splitting it", len(idx), length)
+            sizer.note_oom(len(idx), length, n)
+            half = (len(idx) + 1) // 2
+            pieces = plan_length_split([lengths[i] for i in idx], lambda L: max(1, min(half, sizer(L))))
+            queue = replan([([idx[k] for k in p], L) for p, L in pieces], rest)
+            continue
+        for i, row in zip(idx, done.result or ()):
+            results[i] = _finish(row, news[i], eos, pad, other_stops)
+        out.batches.append((len(idx), length, n))
+        # a batch that needed more than the model said corrects it before the next one runs
+        if sizer.observe(len(idx), length, n, int(room.gauge.peak()) - before):
+            queue = replan([], rest)
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:  # every prompt is in exactly one batch that completed; anything else is a bug here
+        raise RuntimeError(f"prompts {missing[:10]} got no output")
+    return results  # type: ignore[return-value]
+
+
+def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
+                       pad_token_id: int, eos_token_id: int | Sequence[int] | None = None, target: float | None = None,
+                       capacity: int | str | None = None, device: torch.device | str | int | None = None,
+                       memory: GenerationMemory | None = None, **generate_kwargs: Any) -> Generations:
+    """Generate for every prompt, in batches grouped by length and sized for the memory; outputs in input order.
+
+    Prompts are token ids without padding. They run longest first, each batch left-padded to
+    its longest prompt and as large as the memory model allows at that length (never more
+    than ``target`` of the capacity); each row comes back as generating its prompt alone gives
+    it (greedy, ``do_sample=False``, unless ``generate_kwargs`` say otherwise): its new tokens up
+    to and including its first EOS, never a pad. When another criterion (``stop_strings``,
+    ``stopping_criteria``, ``max_time``) ends rows, generate pads them to the batch's end and
+    their trailing ``pad_token_id`` tokens are dropped.
+
+    Sizing: the memory model is fitted by real trials at up to three prompt lengths, three at
+    most each (:func:`~batchpilot.infer.genmemory.fit_in`), unless ``memory`` gives one (from
+    :func:`~batchpilot.infer.genmemory.fit_generation_memory`, or an earlier call's
+    ``.memory``). If the trials make no model, the batches are no larger than what a trial ran at
+    a shape at least as long. An OOM mid-run splits the failing batch in halves and scales the
+    model so that no later batch is that large; no prompt is lost or run twice.
+
+    Args:
+        model: a decoder-only causal LM with a Hugging Face-style ``generate``.
+        prompts: one sequence of token ids per prompt (lists or 1-D tensors).
+        max_new_tokens: new tokens per prompt, one int for all or one per prompt.
+        pad_token_id: the id padding the prompts on the left (and finished rows).
+        eos_token_id: the ids that end a row; ``None``: the model's generation config's.
+        target: the share of the capacity a batch may peak at (default: the finder's, ``FindOptions.target``).
+        capacity: a device size to emulate (``"4GiB"``) for the whole call; default the
+            device's real memory, or the caller's own ``emulate_capacity``.
+        device: the device the prompts go to; default the model's.
+        memory: a memory model to size by instead of fitting one.
+        **generate_kwargs: passed to every ``generate`` call, trials included.
+
+    Returns:
+        :class:`Generations`: a list with one ``list[int]`` per prompt, with the sizing and run figures.
+
+    Raises:
+        TypeError: prompts that are no sequences of token ids, a model without ``generate``.
+        ValueError: an empty prompt, a token outside the vocabulary, a prompt with its new tokens
+            longer than the model's context, ``max_new_tokens`` that leave no room for a prompt,
+            arguments generate_by_length sets itself (``max_length``, ``attention_mask``).
+        BatchSizeError: a bad ``target`` or ``capacity``.
+        NothingFitsError: a single prompt does not fit.
+        UnverifiedShapeError: a ``memory`` fitted on shorter prompts or fewer new tokens.
+    """
+    began = time.perf_counter()
+    rows = _prompts(prompts, _vocab_size(model))
+    out = Generations()
+    if not rows:
+        return out
+    news = _new_tokens(max_new_tokens, len(rows))
+    _check_generate_kwargs(model, generate_kwargs)
+    _check_context(model, rows, news)
+    pad = check_token_id("pad_token_id", pad_token_id)
+    vocab = _vocab_size(model)
+    if vocab is not None and pad >= vocab:
+        raise ValueError(f"pad_token_id={pad} is outside the model's vocabulary of {vocab}")
+    eos = eos_ids(model, eos_token_id)
+    dev = resolve_device(device) if device is not None else model_device(model)
+    if dev != model_device(model):
+        raise ValueError(f"the model is on {model_device(model)}, not {dev}: move it (model.to({str(dev)!r})) or "
+                         "leave device= out")
+    kwargs = dict(generate_kwargs)
+    kwargs.setdefault("do_sample", False)
+    kwargs["pad_token_id"] = pad
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = list(eos)
+    other_stops = any(kwargs.get(name) for name in _OTHER_STOPS)
+    lengths = [len(p) for p in rows]
+    longest_new = max(news)
+    with memory_room(model, device=dev, capacity=capacity, target=target) as room:
+        sizer: _ModelSizer | _TrialSizer
+        if memory is None:
+            try:
+                memory = fit_in(model, room, prompt_lengths=lengths, max_new_tokens=longest_new, pad_token_id=pad,
+                                eos=eos, max_batch_size=len(rows), generate_kwargs=generate_kwargs)
+                out.trials = list(memory.trials)
+                sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
+            except GenerationFitError as exc:
+                logger.warning("%s; sizing each batch by the largest batch a trial ran at a shape at least as long", exc)
+                out.trials = list(exc.trials)
+                sizer, out.sized_by = _TrialSizer(out.trials, longest_new, len(rows)), "trials"
+                memory = None
+        else:
+            memory.max_batch(max(lengths), longest_new)  # raises now if it was fitted on shorter shapes
+            # corrected by this run's OOMs and peaks, not the caller's own: .memory holds the corrected one
+            memory = dataclasses.replace(memory, verified=dict(memory.verified), trials=list(memory.trials))
+            sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
+        out.memory = memory
+        out.sizing_seconds = time.perf_counter() - began
+
+        results = _run(model, rows, news, sizer, room, out, pad=pad, eos=eos, other_stops=other_stops, kwargs=kwargs)
+    out.extend(results)  # type: ignore[arg-type]
+    out.seconds = time.perf_counter() - began
+    logger.info("%d prompts in %d batches (%d OOM), sized in %.2fs by %s from %d trials; %.2fs in all",
+                len(rows), len(out.batches), out.ooms, out.sizing_seconds, out.sized_by, len(out.trials), out.seconds)
+    return out

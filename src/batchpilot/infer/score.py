@@ -1,0 +1,516 @@
+"""Scoring by length: forward-only requests of varying length, longest first, each batch sized for its own length.
+
+Log-likelihoods, perplexity, embeddings: every request is one row of a padded forward with no
+gradient, and what a batch of ``b`` requests padded to ``L`` needs is the (batch, length) model of
+:mod:`batchpilot.policy.lengths`. :class:`LengthScorer` fits it by real searches
+(:func:`batchpilot.find.finder.find_batch_size`) at two or three of the requests' own lengths, each
+trial a window of real requests whose results are kept, then runs the rest longest first in batches
+that each fit at their own padded length, and returns the results in input order. A batch that runs
+out of memory anyway is split and retried (its requests produced nothing, so none is lost or run
+twice), and the model is derated for the batches after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+
+import torch
+
+from .._checks import check_int, positive_int
+from ..find.finder import find_batch_size
+from ..find.options import FindOptions
+from ..find.lengths import LengthPlan
+from ..find.notes import note_length_search
+from ..find.result import BatchPlan
+from ..memory.gauge import Gauge, gauge_for
+from ..memory.oom import attempt, free_memory
+from ..memory.probes import emulate_capacity
+from ..memory.tracker import active_tracker
+from ..memory.units import format_bytes, resolve_device
+from ..policy.lengths import LengthBudget, LengthFit, choose_fit_lengths, fit_lengths
+from ..policy.search import BatchSizeError, NothingFitsError
+from ..policy.speed import fit_time
+
+__all__ = ["ScoreBatch", "LengthScorer", "batch_end", "score_by_length"]
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+#: a request window smaller than this at a length is no place to fit a memory line
+_MIN_WINDOW = 2
+#: a search stops within this share of the boundary: the model sizes every other length anyway
+_SEARCH_TOLERANCE = 0.05
+#: the least an OOM corrects the model by near its length
+_OOM_CORRECTION = 1.25
+
+
+@dataclass
+class ScoreBatch:
+    """One call of ``run_batch`` while scoring.
+
+    Attributes:
+        size: requests in the batch.
+        length: its padded length (its longest request's).
+        trial: run by a sizing search.
+        kept: a trial whose results were kept (the largest window that completed at its length;
+            with ``pads``, every completed trial with a request no earlier one ran).
+        oom: it ran out of memory (its requests were run again in smaller batches).
+        peak_bytes: the peak of the memory figure that fails on the device, when measured.
+        seconds: wall time of the call, when measured (not for trials).
+    """
+
+    size: int
+    length: int
+    trial: bool = False
+    kept: bool = False
+    oom: bool = False
+    peak_bytes: int | None = None
+    seconds: float | None = None
+
+
+class LengthScorer(Generic[R, T]):
+    """Runs requests longest first, each batch sized for its padded length; keeps its memory model between calls.
+
+    A later :meth:`score` whose longest request is no longer than the longest length verified so far
+    reuses the model and runs no search; a longer one fits it again on its own requests.
+
+    Args:
+        run_batch: ``run_batch(requests) -> results``: the requests as one padded forward with no
+            gradient, one result per request, in order (``run_batch(requests, length)`` with ``pads``).
+        length: ``length(request) -> int``: the padded length the request needs.
+        target: fraction of the device memory a batch's peak may use, in (0, 1] (default: ``FindOptions.target``).
+        capacity: device memory to emulate (bytes or ``"24GiB"``; CPU and CUDA); ``None``: the
+            device's real memory (or the capacity of an ``emulate_capacity`` the caller runs).
+        device: the device ``run_batch`` computes on; default the current accelerator, else CPU.
+        max_length: the longest request the model takes (its context); a longer one is refused
+            before anything runs.
+        max_batch_size: the most requests in one batch; ``None``: as many as fit.
+        track: modules or tensors that exist before the first batch and count as memory in use
+            under an emulated capacity (the model).
+        agree: ``agree(obj) -> [obj of every rank]``: an all-gather over the ranks that score
+            together (``torch.distributed.all_gather_object``); every rank calls it exactly once
+            per :meth:`score`, however many requests it holds, and every rank then sizes each
+            length by the most cautious rank's model. ``None``: one process.
+        pads: ``run_batch(requests, length)`` pads every row to ``length`` (at least its longest
+            request's): the sizing trials then run requests no trial ran before, none wasted.
+
+    Attributes:
+        budget: the per-length budget (``None`` before the first search).
+        plan: the last sizing's searches (a :class:`~batchpilot.find.lengths.LengthPlan`).
+        batches: every ``run_batch`` call of the last :meth:`score`, trials included.
+
+    Raises:
+        ValueError: a ``run_batch`` or ``length`` that is not callable, a bad ``max_length`` or
+            ``max_batch_size``.
+        BatchSizeError: ``target`` outside (0, 1] or an unreadable ``capacity``.
+    """
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[R]], Sequence[T]],
+        *,
+        length: Callable[[R], int],
+        target: float | None = None,
+        capacity: int | str | None = None,
+        device: torch.device | str | int | None = None,
+        max_length: int | None = None,
+        max_batch_size: int | None = None,
+        track: Iterable[Any] = (),
+        agree: Callable[[Any], list[Any]] | None = None,
+        pads: bool = False,
+    ) -> None:
+        if not callable(run_batch):
+            raise ValueError(f"run_batch must be a function list of requests -> list of results, got {run_batch!r}")
+        if not callable(length):
+            raise ValueError(f"length must be a function request -> padded length, got {length!r}")
+        options = FindOptions(**({} if target is None else {"target": target}), capacity=capacity)  # the finder's checks, before anything runs
+        self.capacity: int | None = options.capacity  # type: ignore[assignment]
+        self.run_batch, self.length, self.target = run_batch, length, float(options.target)
+        self.device = resolve_device(device)
+        if self.capacity is not None and self.device.type not in ("cpu", "cuda"):
+            raise BatchSizeError(f"capacity= is emulated on cpu and cuda, not {self.device.type}; leave it out "
+                                 "to size for the device's real memory")
+        self.max_length = None if max_length is None else positive_int("max_length", max_length)
+        self.max_batch_size = None if max_batch_size is None else positive_int("max_batch_size", max_batch_size)
+        self.track = list(track)
+        if agree is not None and not callable(agree):
+            raise ValueError(f"agree must be a function obj -> [obj of every rank] (an all-gather), got {agree!r}")
+        self.agree = agree
+        if not isinstance(pads, bool):
+            raise ValueError(f"pads must be True or False, got {pads!r}")
+        self.pads = pads
+        self.budget: LengthBudget | None = None
+        self.plan: LengthPlan | None = None
+        self.batches: list[ScoreBatch] = []
+        self._times: dict[int, float] = {}  # {padded tokens: fastest seconds} of the batches run
+        self._others: list[LengthBudget] = []  # the other ranks' budgets, from the last agreement
+
+    # ------------------------------------------------------------------ the public call
+    def score(self, requests: Sequence[R]) -> list[T]:
+        """The result of every request, in input order.
+
+        An empty list returns ``[]`` and runs nothing (with ``agree``, this rank still takes part
+        in the agreement).
+
+        Raises:
+            ValueError: a request whose length is not a positive int, or longer than ``max_length``;
+                ``run_batch`` returning a number of results other than its requests'.
+            NothingFitsError: a request does not fit even alone.
+            Exception: an error of ``run_batch`` that is not an OOM, with its type and a note
+                naming the batch.
+        """
+        requests = list(requests)
+        self.batches = []
+        results: dict[int, T] = {}
+        lengths: list[int] = []
+        order: list[int] = []
+        error: BaseException | None = None
+        with self._emulation():
+            try:
+                lengths = [self._length_of(r, i) for i, r in enumerate(requests)]
+                order = sorted(range(len(requests)), key=lambda i: -lengths[i])
+                if requests and (self.budget is None or lengths[order[0]] > self.budget.verified_max):
+                    self._fit(requests, lengths, order, results)
+            except Exception as exc:  # every rank must reach the agreement, failed or not
+                if self.agree is None:
+                    raise
+                error = exc
+            self._agree(error)
+            if requests:
+                self._run(requests, lengths, order, results)
+        return [results[i] for i in range(len(requests))]
+
+    # ------------------------------------------------------------------ input
+    def _length_of(self, request: R, index: int) -> int:
+        value = self.length(request)
+        L = check_int(f"length(requests[{index}])", value, minimum=1)
+        if self.max_length is not None and L > self.max_length:
+            raise ValueError(
+                f"requests[{index}] needs {L} tokens, more than the model's context of {self.max_length}; "
+                f"truncate it (keep its last {self.max_length} tokens) or split it into windows of at most "
+                f"{self.max_length}"
+            )
+        return L
+
+    @contextlib.contextmanager
+    def _emulation(self) -> Any:
+        if self.capacity is None:
+            yield
+            return
+        with emulate_capacity(self.capacity, self.device, track=self.track):
+            yield
+
+    def _gauge(self) -> Gauge:
+        """The figure that fails on the device: the running emulation's, or the real memory's."""
+        if self.device.type == "cpu":
+            tr = active_tracker(self.device)
+            return gauge_for(self.device, emulated_capacity=None if tr is None else tr.capacity)
+        return gauge_for(self.device, emulated_capacity=self.capacity)
+
+    # ------------------------------------------------------------------ sizing
+    def _fit(self, requests: list[R], lengths: list[int], order: list[int], results: dict[int, T]) -> None:
+        """Real searches at two or three of the requests' lengths; the model through their memory lines.
+
+        A search at length ``L`` runs windows of real requests that start at the longest request of
+        that length (so every window is padded to ``L``), and the largest window that completed
+        keeps its results.
+        """
+        n = len(requests)
+        first: dict[int, int] = {}
+        for pos, i in enumerate(order):
+            first.setdefault(lengths[i], pos)
+        ordered = [lengths[i] for i in order]
+        # a search at L runs windows no wider than a batch at L would be: requests at least half as long
+        room = {L: batch_end(ordered, pos, n, None) - pos for L, pos in first.items()}
+        if self.max_batch_size is not None:
+            room = {L: min(r, self.max_batch_size) for L, r in room.items()}
+        longest = ordered[0]
+        if self.plan is None:
+            # lengths whose window holds two requests or more (the longest always: its search verifies it)
+            usable = tuple(sorted(L for L, r in room.items() if r >= _MIN_WINDOW or L == longest))
+            fitted = choose_fit_lengths(usable)
+        else:  # longer than an earlier call verified: a search there, the earlier lines kept
+            fitted = (longest,)
+        plans: dict[int, BatchPlan] = {}
+        started = time.perf_counter()
+        with _collected_once(self.device):
+            self._search(requests, order, first, room, fitted, plans, results)
+        earlier = self.budget
+        self.plan = _length_plan({**(self.plan.length_plans if self.plan else {}), **plans},
+                                 time.perf_counter() - started)
+        self.budget = self.plan.budget(self.max_batch_size)
+        if earlier is not None:  # what the earlier batches taught stays
+            self.budget.corrections.update(earlier.corrections)
+        logger.info("scoring sized at lengths %s in %.2fs: %s", sorted(plans), self.plan.seconds,
+                    {L: self.budget.micro_batch(L) for L in sorted(plans)})
+
+    def _search(self, requests: list[R], order: list[int], first: dict[int, int], room: dict[int, int],
+                fitted: tuple[int, ...], plans: dict[int, BatchPlan], results: dict[int, T]) -> None:
+        """A search per fitted length, each trial a window of real requests from the longest of that length.
+
+        With ``pads`` every trial takes the next requests not yet run (padded to ``L``), sliding back
+        within the room when the next would not fit in it, and every trial that completed keeps its
+        results; without, each trial is the first ``b`` of the room (its own longest request pads
+        it to ``L``) and the largest that completed keeps them.
+        """
+        for L in sorted(fitted, reverse=True):  # the longest first: a nothing-fits fails fastest there
+            start, width = first[L], room[L]
+            # without pads each trial reruns a prefix; with pads, trials of half the room each leave
+            # the next one room to run new requests (its answer is a floor the model rises above)
+            cap = width if not self.pads else max(_MIN_WINDOW, width // 2)
+            state: dict[str, Any] = {"next": 0, "record": None, "out": ()}
+
+            def step(b: int, start: int = start, L: int = L, width: int = width,
+                     state: dict[str, Any] = state) -> None:
+                offset = 0 if not self.pads else state["next"] if state["next"] + b <= width else max(0, width - b)
+                idx = order[start + offset:start + offset + b]
+                record = ScoreBatch(size=b, length=L, trial=True, oom=True)
+                self.batches.append(record)
+                out = self._call([requests[i] for i in idx], L)  # an OOM is the trial's answer, caught by the finder
+                record.oom = False
+                if self.pads:
+                    state["next"] = max(state["next"], offset + b)
+                    fresh = [(i, v) for i, v in zip(idx, out) if i not in results]
+                    results.update(fresh)
+                    record.kept = bool(fresh)
+                elif state["record"] is None or b > state["record"].size:
+                    state["record"], state["out"] = record, out
+
+            try:
+                plans[L] = find_batch_size(step, device=self.device, target=self.target, max_batch_size=cap,
+                                           steps_per_trial=1, timed_steps=0, objective="memory",
+                                           tolerance=_SEARCH_TOLERANCE)
+            except Exception as exc:
+                note_length_search(exc, L, sorted(plans))
+                raise
+            if state["record"] is not None:
+                state["record"].kept = True
+                for i, value in zip(order[start:start + state["record"].size], state["out"]):
+                    results.setdefault(i, value)
+            logger.info("length %d: batch %d in %d trials", L, plans[L].batch_size, plans[L].num_trials)
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Every rank's budget (or failure), once per call; without ``agree``, nothing to agree."""
+        self._others = []
+        if self.agree is None:
+            return
+        me = uuid.uuid4().hex
+        state = {"id": me, "budget": None if self.budget is None else self.budget.state_dict(),
+                 "failed": None if error is None else f"{type(error).__name__}: {error}"}
+        gathered = list(self.agree(state))
+        if error is not None:
+            raise error
+        failed = [(r, s["failed"]) for r, s in enumerate(gathered) if s["failed"]]
+        if failed:
+            rank, why = failed[0]
+            raise RuntimeError(f"sizing failed on rank {rank} ({why}); stopping this rank too")
+        self._others = [LengthBudget.from_state(s["budget"]) for s in gathered
+                        if s["id"] != me and s["budget"] is not None]
+
+    def _size_at(self, length: int) -> int:
+        """The largest batch at ``length``: this rank's budget, lowered to any other rank's that answers there."""
+        assert self.budget is not None
+        others = [b.micro_batch(length) for b in self._others if length <= b.verified_max]
+        return min([self.budget.micro_batch(length), *others])
+
+    # ------------------------------------------------------------------ running
+    def _call(self, batch: list[R], length: int) -> list[T]:
+        out = list(self.run_batch(batch, length) if self.pads else self.run_batch(batch))
+        if len(out) != len(batch):
+            raise ValueError(f"run_batch returned {len(out)} results for {len(batch)} requests (padded to "
+                             f"{length}); it must return one result per request, in order")
+        return out
+
+    def _run(self, requests: list[R], lengths: list[int], order: list[int], results: dict[int, T]) -> None:
+        """The requests without a result yet, longest first, in batches sized for their own length."""
+        gauge = self._gauge()
+        budget = self.budget
+        assert budget is not None
+        ordered = [lengths[i] for i in order]
+        pos, n = 0, len(order)
+        shrink: dict[int, int] = {}  # after an OOM at a position: the most its next batch may take
+        while pos < n:
+            if order[pos] in results:
+                pos += 1
+                continue
+            L = ordered[pos]
+            size = min(self._size_at(L), shrink.pop(pos, n))
+            if size < 1:
+                raise self._nothing_fits(L, None, "does not fit even alone under the memory limit")
+            stop = next((k for k in range(pos + 1, min(n, pos + size)) if order[k] in results), min(n, pos + size))
+            end = batch_end(ordered, pos, stop, self._overhead_tokens())
+            idx = order[pos:end]
+            batch = [requests[i] for i in idx]
+            gauge.synchronize()
+            gauge.reset()
+            began = time.perf_counter()
+            outcome = attempt(self._call, batch, L, device=self.device)
+            gauge.synchronize()
+            seconds = time.perf_counter() - began
+            peak = int(gauge.peak())
+            gauge.close()
+            self.batches.append(ScoreBatch(size=len(idx), length=L, oom=outcome.oom, peak_bytes=peak,
+                                           seconds=seconds))
+            if outcome.oom:
+                if len(idx) == 1:
+                    raise self._nothing_fits(L, peak, f"ran out of memory alone ({outcome.message})")
+                half = (len(idx) + 1) // 2
+                logger.warning("a batch of %d at length %d ran out of memory (%s): running it as %d and %d",
+                               len(idx), L, outcome.message, half, len(idx) - half)
+                self._on_oom(L, len(idx), gauge.capacity())
+                shrink[pos] = half
+                continue
+            for i, value in zip(idx, outcome.result):
+                results[i] = value
+            tokens = len(idx) * L
+            self._times[tokens] = min(seconds, self._times.get(tokens, math.inf))
+            self._observe(L, len(idx), peak)
+            pos = end
+
+    def _overhead_tokens(self) -> float | None:
+        """A call's fixed cost in tokens' worth of compute, from the batches timed so far (``None``: too few)."""
+        fit = fit_time(self._times) if len(self._times) >= 2 else None
+        if fit is None:
+            return None
+        if fit.seconds_per_sample <= 0:
+            return math.inf
+        return fit.fixed_seconds / fit.seconds_per_sample
+
+    def _nothing_fits(self, length: int, peak: int | None, what: str) -> NothingFitsError:
+        budget = self.budget
+        assert budget is not None
+        return NothingFitsError(
+            f"a request of {length} tokens {what}: the limit is {format_bytes(budget.limit_bytes)} "
+            f"({self.target:.0%} of the device's memory); truncate long requests (a smaller max_length), use mixed "
+            "precision, a larger target or a larger device", batch_size=1, peak_bytes=peak,
+            limit_bytes=int(budget.limit_bytes), capacity_bytes=int(budget.limit_bytes / self.target))
+
+    def _observe(self, length: int, size: int, peak: int) -> None:
+        """A batch peaked over the limit: size the lengths near it for what it really took."""
+        budget = self.budget
+        assert budget is not None
+        if peak <= budget.limit_bytes:
+            return
+        predicted = budget.fit.peak(size, length)
+        if predicted > 0 and peak > predicted:
+            factor = peak / predicted
+            logger.warning("a batch of %d at length %d peaked at %s, over the limit %s and %.2fx the model's %s; "
+                           "lengths near %d are sized for that from now on", size, length, format_bytes(peak),
+                           format_bytes(budget.limit_bytes), factor, format_bytes(predicted), length)
+            budget.correct(length, factor)
+
+    def _on_oom(self, length: int, size: int, capacity: int) -> None:
+        """An OOM at ``length``: the model over-promised there; lengths near it are sized for more."""
+        budget = self.budget
+        assert budget is not None
+        predicted = budget.fit.peak(size, length)
+        if predicted > 0:
+            # the batch needed more than the capacity: at least capacity / predicted times the model's
+            budget.correct(length, max(_OOM_CORRECTION, capacity / predicted))
+        if length in budget.verified:
+            budget.verified[length] = max(1, min(budget.verified[length], size - 1))
+
+
+@contextlib.contextmanager
+def _collected_once(device: torch.device) -> Any:
+    """One full garbage collection before the searches, and none of what existed then during them.
+
+    Each search collects garbage when it starts and ends, and a full collection walks every object
+    of the process: 0.7 s with transformers and lm-eval loaded, twice per length. What existed
+    before is collected here once and frozen (``gc.freeze``) while the searches run, unless the
+    caller froze objects already; the searches' own garbage is collected as before.
+    """
+    free_memory(device)
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def batch_end(lengths: Sequence[int], start: int, stop: int, overhead_tokens: float | None) -> int:
+    """Where a batch that starts at ``start`` of the longest-first ``lengths`` ends (``stop`` at most).
+
+    Padding to the first (longest) request costs compute, and a call costs its fixed overhead:
+    the batch grows while its padding, in tokens, is at most ``overhead_tokens`` per request
+    beyond the first -- the calls it saves -- so that under ``seconds = fixed + per_token ×
+    tokens`` it never takes longer than its requests one at a time. Without a measured overhead
+    (``None``) a batch takes the requests at least half as long as its first:
+
+    >>> batch_end([40, 39, 30, 12, 11], 0, 5, 8)  # 1 + 10 tokens of padding: 28 more would exceed 3 × 8
+    3
+    >>> batch_end([40, 39, 30, 12, 11], 0, 5, None), batch_end([40, 39, 30, 12, 11], 3, 5, None)
+    (3, 5)
+    """
+    first = lengths[start]
+    end, padding = start + 1, 0
+    while end < stop:
+        pad = padding + first - lengths[end]
+        if (2 * lengths[end] < first) if overhead_tokens is None else pad > (end - start) * overhead_tokens:
+            break
+        padding, end = pad, end + 1
+    return end
+
+
+def _length_plan(plans: dict[int, BatchPlan], seconds: float) -> LengthPlan:
+    """The searches as a :class:`LengthPlan`: the 2-D model through their lines (one line: that line at every length)."""
+    lines = {L: (p.fit.fixed_bytes, p.fit.bytes_per_sample) for L, p in plans.items()
+             if p.fit is not None and p.fit.bytes_per_sample > 0}
+    if len(lines) < 2:
+        for L, p in plans.items():
+            if L not in lines:  # one size measured (a window of one request): its whole peak taken as per-request
+                top = max((t for t in p.trials if t.measured and t.outcome == "fit"), key=lambda t: t.batch_size)
+                lines[L] = (0.0, top.peak_bytes / top.batch_size)
+    if len(lines) >= 2:
+        fit = fit_lengths(lines)
+    else:
+        (L, (fixed, per)), = lines.items()
+        fit = LengthFit(fixed=(fixed, 0.0, 0.0), per_sample=(per, 0.0, 0.0), lengths=(L,))
+    top = plans[max(plans)]
+    base = {f: getattr(top, f) for f in BatchPlan.__dataclass_fields__}
+    base["seconds"] = seconds
+    base["compilations"] = sum(p.compilations for p in plans.values())
+    return LengthPlan(**base, length_fit=fit, length_plans=plans, seq_dim=None)
+
+
+def score_by_length(
+    run_batch: Callable[[list[R]], Sequence[T]],
+    requests: Sequence[R],
+    *,
+    length: Callable[[R], int],
+    target: float | None = None,
+    capacity: int | str | None = None,
+    device: torch.device | str | int | None = None,
+    max_length: int | None = None,
+    max_batch_size: int | None = None,
+    track: Iterable[Any] = (),
+    agree: Callable[[Any], list[Any]] | None = None,
+    pads: bool = False,
+) -> list[T]:
+    """Score ``requests`` longest first in batches each sized for its own padded length; results in input order.
+
+    ``run_batch(requests)`` runs a list of requests as one padded forward (no gradient) and returns
+    one result per request. Real searches at two or three of the requests' lengths (a few trials
+    each, on windows of real requests whose results are kept) fit ``peak ≈ F(L) + b·P(L)``; every
+    other batch is sized by it, runs once, and an OOM splits the failing batch and retries it. See
+    :class:`LengthScorer` (which keeps the model for later calls) for the arguments.
+
+    Raises:
+        ValueError: a request's length not a positive int or over ``max_length``.
+        NothingFitsError: a request does not fit even alone.
+    """
+    scorer = LengthScorer(run_batch, length=length, target=target, capacity=capacity, device=device,
+                          max_length=max_length, max_batch_size=max_batch_size, track=track, agree=agree, pads=pads)
+    return scorer.score(requests)

@@ -1,0 +1,173 @@
+"""generate_by_length: greedy outputs identical to one prompt at a time, in input order, under a memory limit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from batchpilot.infer.generate import Generations, _TrialSizer, generate_by_length  # noqa: E402
+from batchpilot.infer.genmemory import GenerationTrial, UnverifiedShapeError  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
+from batchpilot.policy.lengths import LengthFit  # noqa: E402
+from batchpilot.policy.search import BatchSizeError, NothingFitsError  # noqa: E402
+from tiny_llama_gen import PAD, alone, frequent_token, random_prompts, tiny_llama  # noqa: E402
+
+NEW = 8
+CAPACITY = "1MiB"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(20, (3, 40), seed=1)
+
+
+@pytest.fixture(scope="module")
+def eos(model, prompts):
+    # a token the model emits early for some prompts: their rows end before the others'
+    return frequent_token([alone(model, p, NEW) for p in prompts], before=NEW - 2)
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts, eos):
+    return [alone(model, p, NEW, eos=eos) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def run(model, prompts, eos):
+    return generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
+                              capacity=CAPACITY)
+
+
+def test_outputs_are_those_of_each_prompt_alone_in_input_order(run, reference, eos):
+    assert isinstance(run, Generations) and isinstance(run, list)
+    assert list(run) == reference
+    ended_early = [r for r in reference if len(r) < NEW]
+    assert ended_early and all(r[-1] == eos for r in ended_early)  # some rows stopped on EOS, others did not
+    assert any(len(r) == NEW and eos not in r for r in reference)
+    assert all(PAD not in r or PAD == eos for r in run)
+
+
+def test_batches_are_sized_per_length_longest_first_within_the_limit(run, prompts):
+    assert run.sized_by == "model" and run.ooms == 0
+    sizes = [b for b, _, _ in run.batches]
+    padded = [L for _, L, _ in run.batches]
+    assert sum(sizes) == len(prompts)  # every prompt once
+    assert padded == sorted(padded, reverse=True) and padded[0] == max(map(len, prompts))
+    assert len(set(sizes)) > 1 and sizes[-1] >= sizes[0]  # shorter prompts, larger batches
+    for b, L, n in run.batches:
+        assert run.memory.peak(b, L, n) <= run.memory.limit_bytes
+    # at most three real trials per fitted prompt length
+    fitted = {t.prompt_length for t in run.trials}
+    assert len(fitted) <= 3
+    assert all(sum(t.prompt_length == P for t in run.trials) <= 3 for P in fitted)
+    assert run.generate_calls == len(run.trials) + len(run.batches)
+
+
+def test_a_fitted_memory_is_reused_and_each_prompt_keeps_its_own_max_new_tokens(model, prompts, run, reference, eos):
+    news = [NEW - i % 4 for i in range(len(prompts))]
+    out = generate_by_length(model, prompts, max_new_tokens=news, pad_token_id=PAD, eos_token_id=eos,
+                             capacity=CAPACITY, memory=run.memory)
+    assert out.trials == [] and out.ooms == 0
+    # greedy: a prompt's first n tokens do not depend on how many come after them
+    assert list(out) == [ref[:n] for ref, n in zip(reference, news)]
+    assert out.memory is not run.memory  # the caller's model is left as it was
+
+
+def test_an_oom_mid_run_splits_the_batch_and_no_prompt_is_lost_or_run_twice(model, prompts, run, reference, eos):
+    # a model that promises twice the room it has: the first batch runs out of the emulated capacity
+    m = run.memory
+    wrong = dataclasses.replace(
+        m, prefill=LengthFit(fixed=m.prefill.fixed, per_sample=tuple(x / 2 for x in m.prefill.per_sample),
+                             lengths=m.prefill.lengths),
+        decode=tuple((T, e, d / 2) for T, e, d in m.decode))
+    calls = []
+    real = model.generate
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["attention_mask"].shape[0])
+        return real(*args, **kwargs)
+
+    model.generate = counted
+    try:
+        with emulate_capacity(CAPACITY, track=[model]):  # the caller's own emulation counts
+            out = generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
+                                     memory=wrong)
+    finally:
+        del model.generate
+    assert list(out) == reference
+    assert 1 <= out.ooms <= 2
+    assert sum(b for b, _, _ in out.batches) == len(prompts)  # completed batches hold each prompt once
+    assert len(calls) == len(out.batches) + out.ooms
+    # the batches after the OOM were sized by the corrected model: none ran out again
+    assert out.memory.scale > 1.5
+
+
+def test_the_fallback_of_a_refused_fit_sizes_by_what_ran():
+    trials = [GenerationTrial(batch_size=b, prompt_length=P, max_new_tokens=8, outcome=o)
+              for b, P, o in [(1, 40, "fit"), (3, 40, "fit"), (6, 40, "over_target"), (9, 10, "fit")]]
+    sizer = _TrialSizer(trials, 8, 100)
+    assert [sizer(L) for L in (40, 20, 10, 5, 41)] == [3, 3, 9, 9, 1]
+    sizer.note_oom(9, 10, 8)
+    assert sizer(5) == 4
+
+
+def test_an_empty_list_gives_an_empty_result_without_running(model):
+    out = generate_by_length(model, [], max_new_tokens=NEW, pad_token_id=PAD)
+    assert out == [] and out.trials == [] and out.batches == []
+
+
+@pytest.mark.parametrize("prompts, kwargs, error, match", [
+    ([[5] * 250], {"max_new_tokens": 8}, ValueError, r"prompt 0 has 250 tokens and max_new_tokens=8: 258 positions"),
+    ([[5] * 300], {"max_new_tokens": 8}, ValueError, r"more than the model's context of 256: truncate"),
+    ([[5] * 4], {"max_new_tokens": 256}, ValueError, "leaves no room for a prompt"),
+    ([[5, 6], []], {"max_new_tokens": 8}, ValueError, "prompt 1 is empty"),
+    ([[5, 999]], {"max_new_tokens": 8}, ValueError, "outside the model's vocabulary of 384"),
+    ([[5, -1]], {"max_new_tokens": 8}, ValueError, "no token id"),
+    ("hello", {"max_new_tokens": 8}, TypeError, "tokenize first"),
+    (torch.ones(2, 5, dtype=torch.long), {"max_new_tokens": 8}, TypeError, "without padding"),
+    ([[5, 6]], {"max_new_tokens": 0}, ValueError, "positive int"),
+    ([[5, 6], [7]], {"max_new_tokens": [8]}, ValueError, "one per prompt"),
+    ([[5, 6]], {"max_new_tokens": 8, "max_length": 20}, ValueError, "use max_new_tokens"),
+    ([[5, 6]], {"max_new_tokens": 8, "num_return_sequences": 2}, ValueError, "one sequence per prompt"),
+    ([[5, 6]], {"max_new_tokens": 8, "target": 0}, BatchSizeError, "target"),
+    ([[5, 6]], {"max_new_tokens": 8, "capacity": "a lot"}, BatchSizeError, "memory size"),
+    ([[5, 6]], {"max_new_tokens": 8, "pad_token_id": 384}, ValueError, "pad_token_id=384"),
+])
+def test_bad_input_is_refused_before_any_generate(model, prompts, kwargs, error, match):
+    kwargs = {"pad_token_id": PAD, **kwargs}
+    calls = []
+    model.generate = lambda *a, **k: calls.append(1)
+    try:
+        with pytest.raises(error, match=match):
+            generate_by_length(model, prompts, **kwargs)
+    finally:
+        del model.generate
+    assert calls == []
+
+
+def test_a_prompt_that_fits_no_batch_and_a_memory_fitted_on_shorter_prompts(model, run):
+    with pytest.raises(NothingFitsError, match="one prompt of 200 tokens"):
+        generate_by_length(model, [[5] * 200], max_new_tokens=NEW, pad_token_id=PAD, capacity="700KiB")
+    with pytest.raises(UnverifiedShapeError, match="beyond what the trials measured"):
+        generate_by_length(model, [[5] * 60], max_new_tokens=NEW, pad_token_id=PAD, capacity=CAPACITY,
+                           memory=run.memory)
+
+
+def test_a_model_error_keeps_its_type_and_says_where(model, run):
+    # generate's own error for an argument it does not know: in a sizing trial, then in a batch
+    with pytest.raises(ValueError, match="not used by the model") as info:
+        generate_by_length(model, [[5, 6, 7]], max_new_tokens=2, pad_token_id=PAD, capacity=CAPACITY, not_an_option=1)
+    assert any("in a sizing trial" in note for note in info.value.__notes__)
+    with pytest.raises(ValueError, match="not used by the model") as info:
+        generate_by_length(model, [[5, 6, 7]], max_new_tokens=2, pad_token_id=PAD, capacity=CAPACITY,
+                           memory=run.memory, not_an_option=1)
+    assert any("in a generate batch of 1 prompts padded to 3 tokens" in note for note in info.value.__notes__)

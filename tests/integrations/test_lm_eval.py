@@ -1,0 +1,131 @@
+"""BatchpilotLM: lm-eval's HFLM batched by length, with HFLM's own results at batch size 1.
+
+A tiny Llama built from a config and a word-level tokenizer built locally (tests/helpers/tiny_llama.py):
+no download. The reference is lm-eval's own ``HFLM(batch_size=1)`` on the same model object.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+import tiny_llama  # noqa: E402
+from dist_launch import torchrun  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+from batchpilot.integrations.lm_eval import BatchpilotLM  # noqa: E402
+from batchpilot.policy.lengths import LengthBudget  # noqa: E402
+
+CONTEXT = 96
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+HAS_GENERATE = importlib.util.find_spec("batchpilot.infer.generate") is not None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama.model(context=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_llama.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ref(model, tok):
+    return HFLM(pretrained=model, tokenizer=tok, batch_size=1)
+
+
+class Calls:
+    """Forward calls of a module (a hook: what lm-eval's model calls cost)."""
+
+    def __init__(self, module) -> None:
+        self.count = 0
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, *args) -> None:
+        self.count += 1
+
+
+def _greedy_requests(model, tok, n: int = 3) -> list:
+    """Requests whose continuation is the model's own greedy next word: ``is_greedy`` True."""
+    from lm_eval.api.instance import Instance
+
+    out = []
+    for k, ctx in enumerate(tiny_llama.texts([5, 9, 14][:n], seed=11)):
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([tok.encode(ctx)])).logits[0, -1].argmax())
+        out.append(Instance("loglikelihood", {}, (ctx, " " + tok.decode([nxt])), 1000 + k))
+    return out
+
+
+def test_registered_as_batchpilot() -> None:
+    assert get_model("batchpilot") is BatchpilotLM
+
+
+def test_loglikelihood_equals_hflm_at_batch_size_1_in_fewer_calls(model, tok, ref) -> None:
+    requests = tiny_llama.loglikelihood_requests(40, context=CONTEXT) + _greedy_requests(model, tok)
+    counter = Calls(model)
+    want = ref.loglikelihood(requests, disable_tqdm=True)
+    hflm_calls, counter.count = counter.count, 0
+    lm = BatchpilotLM(pretrained=model, tokenizer=tok, capacity="1MiB")
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    counter.handle.remove()
+    assert [g for _, g in got] == [w for _, w in want] and sum(g for _, g in got) >= 3
+    assert [v for v, _ in got] == pytest.approx([v for v, _ in want], rel=1e-5, abs=1e-4)
+    assert counter.count < hflm_calls / 2, (counter.count, hflm_calls)
+    assert not any(b.oom for b in lm.scorer.batches)
+    assert lm.loglikelihood([], disable_tqdm=True) == []
+
+
+def test_loglikelihood_rolling_equals_hflm_including_documents_longer_than_the_context(model, tok, ref) -> None:
+    docs = tiny_llama.rolling_requests([5, 40, 250, CONTEXT, CONTEXT + 1])
+    lm = BatchpilotLM(pretrained=model, tokenizer=tok, capacity="1MiB")
+    assert lm.loglikelihood_rolling(docs, disable_tqdm=True) == pytest.approx(
+        ref.loglikelihood_rolling(docs, disable_tqdm=True), rel=1e-5, abs=1e-4)
+    assert lm.loglikelihood_rolling([], disable_tqdm=True) == []
+
+
+@pytest.mark.skipif(not HAS_GENERATE, reason="batchpilot.infer.generate (generate_by_length) is not in this tree yet")
+def test_generate_until_equals_hflm_greedy_in_input_order(model, tok, ref) -> None:
+    requests = tiny_llama.generate_requests(12, context=CONTEXT - 16,
+                                            gen_kwargs={"until": ["w7"], "max_gen_toks": 12, "do_sample": False})
+    lm = BatchpilotLM(pretrained=model, tokenizer=tok, capacity="2MiB")
+    assert lm.generate_until(requests, disable_tqdm=True) == ref.generate_until(requests, disable_tqdm=True)
+
+
+def test_bad_input_gets_a_clear_error(model, tok) -> None:
+    from lm_eval.api.instance import Instance
+
+    lm = BatchpilotLM(pretrained=model, tokenizer=tok, capacity="1MiB")
+    ask = [Instance("generate_until", {}, ("w1 w2", {"until": ["w7"], "max_gen_toks": CONTEXT}), 0)]
+    with pytest.raises(ValueError, match=f"max_gen_toks={CONTEXT} leaves no room for a prompt"):
+        lm.generate_until(ask, disable_tqdm=True)
+    assert lm.generate_until([], disable_tqdm=True) == []
+    long = " " + " ".join(["w3"] * (CONTEXT + 1))
+    with pytest.raises(ValueError, match="continuation of 97 tokens is longer than the model's context of 96"):
+        lm.loglikelihood([Instance("loglikelihood", {}, ("w1", long), 0)], disable_tqdm=True)
+    with pytest.raises(ValueError, match="target must be"):
+        BatchpilotLM(pretrained=model, tokenizer=tok, target=2)
+
+
+def test_two_ranks_agree_and_a_rank_with_fewer_requests_never_waits(tmp_path) -> None:
+    torchrun(HELPERS / "lm_eval_worker.py", str(tmp_path), timeout=240,
+             finished=lambda out: "done 0" in out and "done 1" in out)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        (ll, rolling), (ll_want, rolling_want) = r["got"], r["want"]
+        assert [g for _, g in ll] == [g for _, g in ll_want]
+        assert [v for v, _ in ll] == pytest.approx([v for v, _ in ll_want], rel=1e-5, abs=1e-4)
+        assert rolling == pytest.approx(rolling_want, rel=1e-5, abs=1e-4)
+    # rank 0 (twice the memory) ran no batch larger than rank 1's model allows where rank 1 answers
+    small = LengthBudget.from_state(ranks[1]["first_budget"])
+    shared = [(size, L) for size, L, trial, _ in ranks[0]["batches"][0] if not trial and L <= small.verified_max]
+    assert shared and all(size <= small.micro_batch(L) for size, L in shared)
