@@ -187,8 +187,9 @@ _DEFAULT_COPIES = re.compile(
     r"|\"target\", 0\.8\)|\"steps_per_trial\", 2\)|\"min_batch_size\", 1\)"
 )
 #: where a copy is allowed: the home itself, and the planner, which sits below the finder in the
-#: layers (tests/test_layering.py), cannot import it, and has options of its own (plan_batch_size(target=))
-_HOMES = {"find/options.py", "plan/planner.py"}
+#: layers (tests/test_layering.py), cannot import it, and has options of its own (plan_batch_size(target=),
+#: plan_generation(target=))
+_HOMES = {"find/options.py", "plan/planner.py", "plan/generation.py"}
 
 
 def test_the_scan_sees_a_copied_default():
