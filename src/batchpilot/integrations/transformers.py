@@ -33,9 +33,11 @@ from ..memory.oom import attempt, free_memory
 from ..train.batching import scale_lr
 from ..train.engine import Engine, EngineConfig, StepResult
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
-from .continuous import ContinuousBatchingPlan, continuous_batching_config, size_continuous_batching
 
+# before .continuous, which needs transformers too: the message names the module the user imported
 require("transformers", "batchpilot.integrations.transformers")
+
+from .continuous import ContinuousBatchingPlan, continuous_batching_config, size_continuous_batching  # noqa: E402
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
