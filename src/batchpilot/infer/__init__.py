@@ -11,8 +11,7 @@ The names are imported on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._checks import lazy_exports
 
 _LAZY = {
     "score_by_length": "score",
@@ -26,14 +25,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batchpilot.infer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

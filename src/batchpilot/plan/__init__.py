@@ -8,8 +8,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._checks import lazy_exports
 
 #: name -> the module defining it, imported on first use (the planner pulls in fake tensors)
 _LAZY = {
@@ -26,14 +25,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
