@@ -504,6 +504,34 @@ def test_nothing_fits_reports_the_smallest_peak_and_capacity(capacity):
     assert_same_state(before, state_of(model, opt))
 
 
+def test_an_oom_at_the_smallest_size_is_run_once_more_before_nothing_fits(caplog):
+    # one passing failure at batch 1 (another process held the memory a moment) does not end a job
+    # that fits; a shortage that stays fails again, after one more trial only
+    calls: list[int] = []
+
+    def flaky(b: int) -> None:
+        calls.append(b)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. a moment's shortage")
+        torch.ones(b * 1000)
+
+    with caplog.at_level(logging.WARNING, logger="batchpilot.find.finder"):
+        plan = find_batch_size(flaky, capacity="1MiB", device="cpu", max_batch_size=8, steps_per_trial=1)
+    assert plan.batch_size == 8 and calls[:2] == [1, 1]
+    assert "once more" in caplog.text
+    assert [t.outcome for t in plan.trials][0] == "fit"  # the confirmed trial replaced the failed one
+
+    calls.clear()
+
+    def short(b: int) -> None:
+        calls.append(b)
+        raise torch.OutOfMemoryError("CUDA out of memory. it stays")
+
+    with pytest.raises(NothingFitsError, match="batch size 1 ran out of memory"):
+        find_batch_size(short, capacity="1MiB", device="cpu", steps_per_trial=1)
+    assert calls == [1, 1]
+
+
 # ---------------------------------------------------------------------------
 # a real address-space cap
 

@@ -506,6 +506,7 @@ class _Lockstep:
             batch_size=trial.batch_size, outcome=kind, peak_bytes=peak if peak or kind != OOM else None,
             start_bytes=None if start == _NONE else start, seconds=micros / 1e6, message=message,
             tensor_bytes=None if tensor == _NONE else tensor, bound_bytes=None if -bound >= 2**62 else -bound,
+            rank=oom_rank if kind == OOM and oom_rank != _NONE else None,
         )
 
 

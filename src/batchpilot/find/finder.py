@@ -589,16 +589,28 @@ class _TrialRunner:
 
     def __call__(self, batch_size: int) -> Trial:
         onednn = torch.backends.mkldnn.enabled
-        trial = self._run(batch_size)
-        if self.lockstep is not None:
-            # the same trial on every rank, then one view of it everywhere: the same next size
-            trial = self.lockstep.agree_trial(trial, self.space)
+        trial = self._agreed(batch_size)
+        if trial.outcome == OOM and batch_size == self.space.min_batch_size and onednn == torch.backends.mkldnn.enabled \
+                and not any(t.outcome in (FIT, OVER_TARGET) for t in self.done):
+            # the search would end here ("nothing fits"): an OOM at the smallest size is confirmed
+            # first, so that one passing failure (memory another process held a moment, a rank's
+            # fragmented cache) does not stop a job that fits. A real shortage fails again.
+            logger.warning("batch size %d ran out of memory%s; running it once more before concluding that "
+                           "nothing fits", batch_size, "" if trial.rank is None else f" on rank {trial.rank}")
+            trial = self._agreed(batch_size)
         self.done.append(trial)
         if onednn and not torch.backends.mkldnn.enabled:
             # oneDNN ran out of memory and was turned off (memory.oom.recover_onednn): from now on
             # other kernels run, with memory of their own, and nothing measured so far holds
             self._model, self._timelines, self._first_step = self.breakdown, {}, None
             raise _ProgramChanged(trial)
+        return trial
+
+    def _agreed(self, batch_size: int) -> Trial:
+        trial = self._run(batch_size)
+        if self.lockstep is not None:
+            # the same trial on every rank, then one view of it everywhere: the same next size
+            trial = self.lockstep.agree_trial(trial, self.space)
         return trial
 
     def _run(self, batch_size: int) -> Trial:
@@ -823,7 +835,8 @@ def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device,
                                 limit_bytes=space.limit_bytes, capacity_bytes=space.capacity_bytes)
     if smallest.outcome == OOM:
         seen = "" if smallest.peak_bytes is None else f" (with {format_bytes(smallest.peak_bytes)} already allocated)"
-        what = f"ran out of memory{seen}"
+        where = "" if smallest.rank is None else f" on rank {smallest.rank}"
+        what = f"ran out of memory{where}{seen}"
     else:
         what = f"peaked at {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
     msg = (

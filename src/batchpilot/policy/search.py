@@ -111,6 +111,8 @@ class Trial:
         end_bytes: on real memory, the figure once the trial was put back (state restored, garbage
             collected, caches released): ``end_bytes - start_bytes`` is what the trial left behind
             (JIT code for a new shape, heap the allocator keeps). ``None`` elsewhere.
+        rank: for ranks in lockstep (FSDP2), a rank that ran out of memory in an OOM trial (the
+            highest, when several did); ``None`` otherwise.
     """
 
     batch_size: int
@@ -124,6 +126,7 @@ class Trial:
     step_seconds: float | None = None
     alloc_retries: int | None = None
     end_bytes: int | None = None
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in _OUTCOMES:
