@@ -14,7 +14,8 @@ from torch import nn
 
 from .ranks import group_size, is_distributed
 
-__all__ = ["fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "shard_blocks", "shard_model"]
+__all__ = ["fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "reshard_fsdp", "shard_blocks",
+           "shard_model"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -124,6 +125,17 @@ def _param_groups(model: nn.Module) -> list[Any]:
     for m in fsdp_modules(model):
         groups += fsdp_param_groups(m)
     return groups
+
+
+def reshard_fsdp(model: nn.Module) -> None:
+    """Register the sharded parameters of every ``fully_shard`` module of ``model``, freeing unsharded ones.
+
+    A forward without backward (generation, evaluation under ``no_grad``) leaves the root's
+    parameters unsharded, registered in its place; a copy taken then would point at storage
+    FSDP frees at its next reshard. No collective runs.
+    """
+    for m in fsdp_modules(model):
+        m.reshard()
 
 
 def reset_fsdp_state(model: nn.Module) -> None:

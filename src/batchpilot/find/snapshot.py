@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core.sharding import reshard_fsdp
 from ..memory.tracker import untracked
 
 __all__ = ["StateSnapshot", "RngState"]
@@ -129,6 +130,7 @@ class RngState:
 class _ModuleState:
     def __init__(self, module: nn.Module, store: _Store) -> None:
         self.module, self.store = module, store
+        reshard_fsdp(module)  # the sharded parameters are the state; an unsharded copy is FSDP's to free
         # (owner, attribute name, original tensor or None, host copy or None)
         self.slots: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor | None]] = []
         self.grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
