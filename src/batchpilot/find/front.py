@@ -112,9 +112,7 @@ def find_batch_size_for(
 
     Raises:
         ValueError: unknown mode, training without an optimizer or loss, a criterion with
-            ``reduction='none'``, an example batch the rules cannot read, or a model sharded with
-            ``fully_shard`` over several ranks (whose trials must run in lockstep:
-            :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, or the engine's ``"auto"`` start).
+            ``reduction='none'``, or an example batch the rules cannot read.
         BatchSizeError: as :func:`find_batch_size` (an unknown option among them, before any work),
             or ``plan_first`` with a ``first_guess``.
         NothingFitsError: as :func:`find_batch_size`.
@@ -134,12 +132,17 @@ def find_batch_size_for(
             loss_fn=loss_fn, mode=mode, amp=amp, scaler=scaler, restore=restore, plan_first=plan_first,
             shared=shared, split_fn=split_fn, search=search, device=device, options=opts,
         )
-    if _sharded_over_ranks(model):
-        raise ValueError(
-            "the model is sharded with fully_shard over several ranks: an OOM in one rank's trial would "
-            "leave the others waiting in a collective. Use batchpilot.dist.fsdp.find_batch_size_fsdp (trials in "
-            "lockstep), or Engine(micro_batch_size='auto'), which does"
-        )
+    if _sharded_over_ranks(model) and search is None:
+        # every rank runs the same trials (an OOM in one rank's trial would leave the others
+        # waiting in a collective), and lockstep searches size by memory
+        if _lockstep_search is None:
+            raise ValueError(
+                "the model is sharded with fully_shard over several ranks, whose trials must run in lockstep: "
+                "pass search=batchpilot.dist.fsdp.find_batch_size_fsdp"
+            )
+        search = _lockstep_search()
+        if overrides.get("objective") is None and (options is None or options.objective is None):
+            opts = FindOptions.build(opts, objective="memory")
     dtype = _amp_dtype(amp)
     if mode == "train" and optimizer is None:
         raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
@@ -197,6 +200,17 @@ def find_batch_size_for(
         plan.seconds += seed.seconds
         plan.seeded_by = "plan" if seed.batch_size is not None else None
     return plan
+
+
+#: ``() -> search`` for a model sharded over several ranks: the package root sets it to
+#: :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, a layer above this one (``set_lockstep_search``)
+_lockstep_search: Callable[[], Callable[..., BatchPlan]] | None = None
+
+
+def set_lockstep_search(provider: Callable[[], Callable[..., BatchPlan]]) -> None:
+    """Where :func:`find_batch_size_for` gets its search for a ``fully_shard`` model over several ranks."""
+    global _lockstep_search
+    _lockstep_search = provider
 
 
 def _sharded_over_ranks(model: nn.Module) -> bool:
