@@ -939,15 +939,18 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def _accumulate(
         self, split: BatchSplitter, micro: int, *, use_scaler: bool = True, model: nn.Module | None = None,
-        sync: bool = True,
+        sync: bool = True, replay: bool = False,
     ) -> _Accumulated:
         """Forward and backward over ``split`` in micro-batches of ``micro``; no optimizer step.
 
         ``model`` defaults to the engine's; the finder passes the module inside a DDP wrapper.
         ``sync=False`` keeps FSDP from reduce-scattering after the last micro-batch too.
+        ``replay``: FSDP's replay after an OOM (:meth:`_attempt`): ``micro`` is 1, measured by
+        nothing and cut without the sizer (whose exchanges with the other ranks would pair with
+        their FSDP collectives), each sample trimmed to the failed attempt's shortest width.
         """
-        meter = self.noise_meter if model is None else None  # the finder's trials measure nothing
-        own = model is None
+        meter = self.noise_meter if model is None and not replay else None  # trials and replays measure nothing
+        own = model is None and not replay
         if model is None:
             model = self.model
         ddp = self._ddp and model is self.model
@@ -972,6 +975,10 @@ class Engine:
         for i, size in enumerate(sizes):
             # length-aware: the micro-batch's samples, trimmed to their longest
             mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
+            if replay and self.lengths is not None and self.lengths.widths:
+                # (without split every micro-batch is sized at the longest rank's length, and this
+                # rank's batch may be shorter)
+                mb = self.lengths.trim(mb, min(*self.lengths.widths, self.lengths.width))
             start += size
             if self._compiled:  # a new micro-batch size, or length, reuses the graph
                 mark_batch_dynamic(mb, self.layout,
@@ -1077,10 +1084,17 @@ class Engine:
 
     def _attempt(self, split: BatchSplitter, micro: int) -> Any:
         """One attempt at the batch, run by the coordinator (FSDP's replays it after an OOM)."""
-        count = accum_steps(split.size, micro)  # the replay runs as many micro-batches, of one sample
+
+        def replay() -> _Accumulated:
+            # as many micro-batches as the attempt cut (the sizer's cut, agreed by every rank, when
+            # sizing by length), of one sample each at the attempt's shortest width: FSDP's
+            # collectives move parameters and gradients, whose sizes do not depend on the batch
+            sizer = self.lengths
+            count = len(sizer.sizes) if sizer is not None and sizer.sizes else accum_steps(split.size, micro)
+            return self._accumulate(split.narrow(0, count), 1, replay=True)
+
         return self.coordinator.attempt(
-            lambda: self._accumulate(split, micro),
-            lambda: self._accumulate(split.narrow(0, count), 1),
+            lambda: self._accumulate(split, micro), replay,
             device=self.device, on_oom=self._drop_grads, micro_batch_size=micro, step=self.steps + 1,
         )
 

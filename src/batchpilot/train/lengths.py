@@ -152,12 +152,6 @@ def make_sizer(
         )
     if plan is not None and not isinstance(plan, LengthPlan):
         raise ValueError("start= with lengths= must be a LengthPlan: find_batch_size_for(..., lengths=(...))")
-    if fsdp:
-        raise ValueError(
-            "lengths= does not size FSDP steps yet (an OOM inside FSDP's collectives is replayed by one rank, "
-            "which the sizer's exchanges between ranks do not follow); leave lengths out with fully_shard, or "
-            "train with DDP"
-        )
     return LengthSizer(lengths, plan, search=search, layout=layout, per_rank=per_rank, param_bytes=param_bytes,
                        target=target, high_water=high_water, world=world, group=group)
 
