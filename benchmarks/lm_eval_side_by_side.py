@@ -159,6 +159,18 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         first_real = next((k for k, b in enumerate(batches) if not b.trial), len(batches))
         doc["ooms_after_first_batch"] = sum(b.oom for b in batches[first_real + 1:])
         doc["sizing_seconds"] = lm.scorer.plan.seconds if lm.scorer.plan else 0.0
+    if method == "batchpilot" and task == "generate_until":
+        runs = lm.generations
+        per_length: dict[str, int] = {}
+        for g in runs:
+            for t in g.trials:
+                per_length[str(t.prompt_length)] = per_length.get(str(t.prompt_length), 0) + 1
+        doc["trials"] = sum(len(g.trials) for g in runs)
+        doc["trials_per_length"] = per_length
+        doc["prompts_in_trials"] = sum(len(t.prompts) for g in runs for t in g.trials if t.outputs)
+        doc["batches"] = [b[:2] for g in runs for b in g.batches]
+        doc["ooms_after_first_batch"] = sum(g.ooms for g in runs)
+        doc["sizing_seconds"] = sum(g.sizing_seconds for g in runs)
     if method == "hflm auto":
         doc["batch_sizes"] = sorted(set(lm.batch_sizes.values())) if lm.batch_sizes else None
     return doc
@@ -213,7 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "calls": calls, "ooms": doc.get("ooms"), "same as hflm 1": _same(task, doc.get("results"),
                                                                                      base.get("results")),
                    "error": doc.get("error")}
-            for key in ("trials", "trials_per_length", "ooms_after_first_batch", "sizing_seconds", "batch_sizes"):
+            for key in ("trials", "trials_per_length", "ooms_after_first_batch", "sizing_seconds", "batch_sizes",
+                        "prompts_in_trials", "batches"):
                 if key in doc:
                     row[key] = doc[key]
             if row["req/s"] and auto.get("seconds") and auto.get("results"):
@@ -235,7 +248,11 @@ def _cell(row: dict[str, Any], col: str) -> str:
         bits = []
         if row.get("batch_sizes"):
             bits.append(f"sizes {row['batch_sizes']}")
-        if "trials" in row:
+        if "prompts_in_trials" in row:  # generate: the trials ran real prompts, whose outputs are kept
+            bits.append(f"{row['trials']} trials {row.get('trials_per_length')} holding {row['prompts_in_trials']} "
+                        f"prompts, sizing {row['sizing_seconds']:.1f} s, then batches (size, padded) "
+                        f"{[tuple(b) for b in row['batches']]}")
+        elif "trials" in row:
             bits.append(f"{row['trials']} trials {row.get('trials_per_length')}, sizing {row['sizing_seconds']:.1f} s, "
                         f"{row['ooms_after_first_batch']} OOMs after the first batch")
         if row.get("error"):

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from batchpilot.infer.generate import Generations, _TrialSizer, generate_by_length  # noqa: E402
-from batchpilot.infer.genmemory import GenerationTrial, UnverifiedShapeError  # noqa: E402
+from batchpilot.infer.generate import Generations, _plan, _TrialSizer, generate_by_length  # noqa: E402
+from batchpilot.infer.genmemory import GenerationTrial, UnverifiedShapeError, band_low  # noqa: E402
 from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 from batchpilot.policy.lengths import LengthFit  # noqa: E402
 from batchpilot.policy.search import BatchSizeError, NothingFitsError  # noqa: E402
@@ -60,16 +60,48 @@ def test_batches_are_sized_per_length_longest_first_within_the_limit(run, prompt
     assert run.sized_by == "model" and run.ooms == 0
     sizes = [b for b, _, _ in run.batches]
     padded = [L for _, L, _ in run.batches]
-    assert sum(sizes) == len(prompts)  # every prompt once
-    assert padded == sorted(padded, reverse=True) and padded[0] == max(map(len, prompts))
-    assert len(set(sizes)) > 1 and sizes[-1] >= sizes[0]  # shorter prompts, larger batches
+    # every prompt once: in a sizing trial that ran it (greedy: its output kept) or in a batch
+    in_trials = [i for t in run.trials if t.outcome != "oom" for i in t.prompts]
+    assert len(set(in_trials)) == len(in_trials) and sum(sizes) + len(in_trials) == len(prompts)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    assert run.trials[0].prompts == (longest,) and run.trials[0].batch_size == 1
+    assert run.trials[0].prompt_length == len(prompts[longest]) + 1  # padded, as the batches' rows are
+    assert padded == sorted(padded, reverse=True) and padded[0] < len(prompts[longest])
     for b, L, n in run.batches:
         assert run.memory.peak(b, L, n) <= run.memory.limit_bytes
+    # shorter prompts, larger batches: in the model and in the trials that ran
+    short, long = min(t.prompt_length for t in run.trials), run.trials[0].prompt_length
+    assert run.memory.max_batch(short, NEW) > run.memory.max_batch(long, NEW) >= 2
+    assert max(t.batch_size for t in run.trials if t.prompt_length == short) > 2
+    # a trial pads no prompt past twice its length, unless by no more than the new tokens
+    assert all(len(prompts[i]) >= band_low(t.prompt_length, NEW) for t in run.trials for i in t.prompts)
     # at most three real trials per fitted prompt length
     fitted = {t.prompt_length for t in run.trials}
     assert len(fitted) <= 3
     assert all(sum(t.prompt_length == P for t in run.trials) <= 3 for P in fitted)
     assert run.generate_calls == len(run.trials) + len(run.batches)
+
+
+def test_a_trial_that_holds_back_an_eos_gives_the_row_generate_ends_there(run, reference):
+    in_trials = [i for t in run.trials for i in t.prompts]
+    assert any(len(reference[i]) < NEW for i in in_trials)  # rows that ended on EOS inside a trial
+    assert [run[i] for i in in_trials] == [reference[i] for i in in_trials]
+
+
+def test_other_stops_size_by_made_up_prompts(model, prompts, reference, eos):
+    # max_time may end rows early: the trials cannot hold back an EOS there, so they run made-up prompts
+    out = generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
+                             capacity=CAPACITY, max_time=1e6)
+    assert list(out) == reference
+    assert out.trials and all(t.prompts == () for t in out.trials)
+    assert sum(b for b, _, _ in out.batches) == len(prompts)
+
+
+def test_batches_cut_where_a_prompt_would_be_padded_past_twice_its_length():
+    lengths = [100, 60, 51, 49, 30, 12, 5, 1]
+    # 5 joins 12 (padded by no more than the 8 new tokens), 1 does not (by 11)
+    assert _plan(lengths, lambda L: 8, 8) == [([0, 1, 2], 100), ([3, 4], 49), ([5, 6], 12), ([7], 1)]
+    assert _plan(lengths, lambda L: 2, 8) == [([0, 1], 100), ([2], 51), ([3, 4], 49), ([5, 6], 12), ([7], 1)]
 
 
 def test_a_fitted_memory_is_reused_and_each_prompt_keeps_its_own_max_new_tokens(model, prompts, run, reference, eos):

@@ -12,9 +12,14 @@ from batchpilot.infer.genmemory import (  # noqa: E402
     GenerationMemory,
     GenerationTrial,
     UnverifiedShapeError,
+    band_heads,
+    band_low,
     choose_prompt_lengths,
     fit_generation_memory,
+    fit_in,
+    memory_room,
 )
+from batchpilot.memory.tracker import active_tracker  # noqa: E402
 from batchpilot.memory.probes import emulate_capacity, track_peak  # noqa: E402
 from batchpilot.policy.search import BatchSizeError, NothingFitsError  # noqa: E402
 from tiny_llama_gen import PAD, random_prompts, tiny_llama  # noqa: E402
@@ -165,3 +170,53 @@ def test_nothing_fits_says_what_to_change(model):
     with pytest.raises(NothingFitsError, match="one prompt of 200 tokens") as info:
         fit_generation_memory(model, prompt_lengths=(200,), max_new_tokens=8, pad_token_id=PAD, capacity="700KiB")
     assert info.value.batch_size == 1
+
+
+def test_band_heads_start_a_band_where_padding_would_pass_twice_a_prompt_and_its_new_tokens():
+    assert band_heads([917, 880, 500, 207, 150, 104, 103, 60, 52, 51, 10, 3], 48) == [917, 207, 103, 51]
+    assert band_heads([40, 30, 20, 19, 5], 4) == [40, 19, 5]
+    assert band_low(40, 4) == 20 and band_low(40, 30) == 10
+
+
+def test_on_a_real_host_the_trials_measure_the_failing_figure_without_a_tracker(model):
+    # a storage tracker costs a Python call per operator, several times the generate it measures
+    with memory_room(model) as room:
+        assert room.gauge.host and room.meter is room.gauge
+        with room.measuring(model):
+            assert active_tracker(room.device) is None
+    with memory_room(model, capacity=CAPACITY) as room:  # an emulation counts tensors, exactly
+        assert room.meter is not room.gauge and room.exact
+
+
+def test_trials_of_real_prompts_keep_outputs_identical_to_a_plain_generate(model):
+    prompts = dict(enumerate(random_prompts(12, (4, 40), seed=4)))
+    lengths = [len(p) for p in prompts.values()]
+    with memory_room(model, capacity=CAPACITY) as room:
+        memory = fit_in(model, room, prompt_lengths=lengths, max_new_tokens=NEW, pad_token_id=PAD, eos=(7, 9),
+                        prompts=prompts)
+    ran = [t for t in memory.trials if t.prompts]
+    assert ran and memory.trials[0].prompts == (max(prompts, key=lambda i: lengths[i]),)
+    for t in ran:
+        assert len(t.outputs) == len(t.prompts) and t.outcome != "oom"
+        for i, row in zip(t.prompts, t.outputs):
+            p = prompts[i]
+            with torch.no_grad():
+                want = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                      max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=[7, 9])
+            want = want[0, len(p):].tolist()
+            assert row[:len(want)] == want and (len(row) == len(want) or row[len(want) - 1] in (7, 9))
+
+
+def test_a_second_trial_with_too_few_real_prompts_left_is_filled_with_made_up_rows(model):
+    # two prompts in the longest one's band: the second trial (two rows on exact bytes) takes one, and a made-up row
+    prompts = {0: [5] * 40, 1: list(range(10, 40)), 2: [7] * 6}
+    with memory_room(model, capacity=CAPACITY) as room:
+        memory = fit_in(model, room, prompt_lengths=[40, 30, 6], max_new_tokens=NEW, pad_token_id=PAD, prompts=prompts)
+    first, second = memory.trials[:2]
+    assert first.prompts == (0,) and first.batch_size == 1 and first.prompt_length == 41
+    assert second.prompt_length == 41 and second.batch_size == 2 and second.prompts == (1,)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompts[1]]), attention_mask=torch.ones(1, 30, dtype=torch.long),
+                              max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    assert second.outputs == (want[0, 30:].tolist(),)
+    assert memory.prefill.bytes_per_sample(41) > 0

@@ -99,6 +99,12 @@ def test_generate_until_equals_hflm_greedy_in_input_order(model, tok, ref) -> No
                                             gen_kwargs={"until": ["w7"], "max_gen_toks": 12, "do_sample": False})
     lm = BatchpilotLM(pretrained=model, tokenizer=tok, capacity="2MiB")
     assert lm.generate_until(requests, disable_tqdm=True) == ref.generate_until(requests, disable_tqdm=True)
+    # one group of gen_kwargs: one run, whose sizing trials ran real prompts (greedy) and kept them
+    (run,) = lm.generations
+    assert run.ooms == 0 and run.trials[0].prompts
+    kept = sum(len(t.prompts) for t in run.trials if t.outputs)
+    assert kept + sum(b for b, _, _ in run.batches) == len(requests)
+    assert run.generate_calls < len(requests)
 
 
 def test_bad_input_gets_a_clear_error(model, tok) -> None:

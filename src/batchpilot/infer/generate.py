@@ -1,9 +1,10 @@
 """``model.generate`` over many prompts, batched by prompt length and sized from the memory model.
 
 :func:`generate_by_length` fits :class:`~batchpilot.infer.genmemory.GenerationMemory` on the prompts'
-lengths (at most three real trials per fitted length), cuts the prompts longest first into
-batches each sized for its own padded length (:func:`~batchpilot.policy.lengths.plan_length_split`),
-left-pads each batch, and returns every prompt's new tokens in input order; an OOM mid-run splits
+lengths (at most three real trials per fitted length; with greedy decoding the trials run the
+real prompts and keep their outputs), cuts the rest longest first into batches each sized for its
+own padded length (:func:`~batchpilot.policy.lengths.plan_length_split`) and padding no prompt past
+twice its length by more than ``max_new_tokens``, left-pads each batch, and returns every prompt's new tokens in input order; an OOM mid-run splits
 the failing batch and retries it, with the model corrected for the batches after it.
 """
 
@@ -30,6 +31,7 @@ from .genmemory import (
     GenerationMemory,
     GenerationTrial,
     MemoryRoom,
+    band_low,
     check_token_id,
     context_length,
     eos_ids,
@@ -51,6 +53,9 @@ _OWN_ARGUMENTS = {
 }
 #: arguments by which something other than EOS and max_new_tokens may end a row (then generate pads it)
 _OTHER_STOPS = ("stopping_criteria", "stop_strings", "max_time")
+#: arguments under which a row's tokens depend on more than its own greedy picks (the sizing trials
+#: then run made-up prompts: theirs hold back an EOS, which only greedy decoding can put back)
+_NOT_GREEDY = ("penalty_alpha", "assistant_model", "prompt_lookup_num_tokens", "streamer")
 
 
 class Generations(list):
@@ -249,21 +254,45 @@ def _finish(row: list[int], max_new_tokens: int, eos: tuple[int, ...], pad_token
     return row
 
 
+def _plan(lengths: Sequence[int], budget: Any, new_tokens: int) -> list[tuple[list[int], int]]:
+    """:func:`plan_length_split`, cut where a prompt would be padded past ``genmemory.MAX_PADDING`` times its length
+    by more than ``new_tokens``.
+
+    A long prompt's batch takes no short ones: their rows would carry the long one's padding
+    through every step of the cache. ``[(positions in lengths, padded length), ...]``.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[tuple[list[int], int]] = []
+    start = 0
+    while start < len(order):
+        low = band_low(lengths[order[start]], new_tokens)
+        end = start
+        while end < len(order) and lengths[order[end]] >= low:
+            end += 1
+        band = order[start:end]
+        out += [([band[k] for k in part], L) for part, L in plan_length_split([lengths[i] for i in band], budget)]
+        start = end
+    return out
+
+
 def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: MemoryRoom, out: Generations, *,
-         pad: int, eos: tuple[int, ...], other_stops: bool, kwargs: dict[str, Any]) -> list[list[int]]:
-    """Every prompt through ``generate`` in batches, longest first; an OOM splits its batch; each row's tokens."""
+         pad: int, eos: tuple[int, ...], other_stops: bool, kwargs: dict[str, Any],
+         results: list[list[int] | None]) -> list[list[int]]:
+    """Every prompt without a result through ``generate`` in batches, longest first; an OOM splits its batch."""
     lengths = [len(p) for p in rows]
     dev = room.device
+    longest_new = max(news)
 
     def budget(length: int) -> int:
         return max(1, sizer(length))  # a model that fits none: one prompt, and the run decides
 
-    def replan(first: list[tuple[list[int], int]], rest: list[int]) -> collections.deque:
-        later = plan_length_split([lengths[i] for i in rest], budget) if rest else []
-        return collections.deque(first + [([rest[k] for k in p], L) for p, L in later])
+    def plan(idx: list[int], size: Any = budget) -> list[tuple[list[int], int]]:
+        return [([idx[k] for k in p], L) for p, L in _plan([lengths[i] for i in idx], size, longest_new)]
 
-    results: list[list[int] | None] = [None] * len(rows)
-    queue = collections.deque(plan_length_split(lengths, budget))
+    def replan(first: list[tuple[list[int], int]], rest: list[int]) -> collections.deque:
+        return collections.deque(first + (plan(rest) if rest else []))
+
+    queue = collections.deque(plan([i for i, r in enumerate(results) if r is None]))
     while queue:
         idx, length = queue.popleft()
         n = max(news[i] for i in idx)
@@ -281,8 +310,7 @@ def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: M
             logger.info("a batch of %d prompts padded to %d ran out of memory: splitting it", len(idx), length)
             sizer.note_oom(len(idx), length, n)
             half = (len(idx) + 1) // 2
-            pieces = plan_length_split([lengths[i] for i in idx], lambda L: max(1, min(half, sizer(L))))
-            queue = replan([([idx[k] for k in p], L) for p, L in pieces], rest)
+            queue = replan(plan(idx, lambda L: max(1, min(half, sizer(L)))), rest)
             continue
         for i, row in zip(idx, done.result or ()):
             results[i] = _finish(row, news[i], eos, pad, other_stops)
@@ -311,7 +339,8 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
     their trailing ``pad_token_id`` tokens are dropped.
 
     Sizing: the memory model is fitted by real trials at up to three prompt lengths, three at
-    most each (:func:`~batchpilot.infer.genmemory.fit_in`), unless ``memory`` gives one (from
+    most each (:func:`~batchpilot.infer.genmemory.fit_in`; with greedy decoding they run the real
+    prompts, longest first, and those prompts' outputs are kept), unless ``memory`` gives one (from
     :func:`~batchpilot.infer.genmemory.fit_generation_memory`, or an earlier call's
     ``.memory``). If the trials make no model, the batches are no larger than what a trial ran at
     a shape at least as long. An OOM mid-run splits the failing batch in halves and scales the
@@ -365,6 +394,10 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
     if eos_token_id is not None:
         kwargs["eos_token_id"] = list(eos)
     other_stops = any(kwargs.get(name) for name in _OTHER_STOPS)
+    beams = kwargs.get("num_beams", getattr(getattr(model, "generation_config", None), "num_beams", 1))
+    # greedy decoding: the sizing trials run the real prompts, longest first, and their outputs are kept
+    greedy = (not kwargs["do_sample"] and beams in (None, 1) and not other_stops
+              and not any(kwargs.get(name) is not None for name in _NOT_GREEDY))
     lengths = [len(p) for p in rows]
     longest_new = max(news)
     with memory_room(model, device=dev, capacity=capacity, target=target) as room:
@@ -372,7 +405,8 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
         if memory is None:
             try:
                 memory = fit_in(model, room, prompt_lengths=lengths, max_new_tokens=longest_new, pad_token_id=pad,
-                                eos=eos, max_batch_size=len(rows), generate_kwargs=generate_kwargs)
+                                eos=eos, max_batch_size=len(rows), generate_kwargs=generate_kwargs,
+                                prompts=dict(enumerate(rows)) if greedy else None)
                 out.trials = list(memory.trials)
                 sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
             except GenerationFitError as exc:
@@ -387,8 +421,12 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
             sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
         out.memory = memory
         out.sizing_seconds = time.perf_counter() - began
-
-        results = _run(model, rows, news, sizer, room, out, pad=pad, eos=eos, other_stops=other_stops, kwargs=kwargs)
+        done: list[list[int] | None] = [None] * len(rows)
+        for t in out.trials:  # the trials that ran real prompts to the end: those are done
+            for i, row in zip(t.prompts, t.outputs):
+                done[i] = _finish(row, news[i], eos, pad, other_stops)
+        results = _run(model, rows, news, sizer, room, out, pad=pad, eos=eos, other_stops=other_stops, kwargs=kwargs,
+                       results=done)
     out.extend(results)  # type: ignore[arg-type]
     out.seconds = time.perf_counter() - began
     logger.info("%d prompts in %d batches (%d OOM), sized in %.2fs by %s from %d trials; %.2fs in all",

@@ -53,8 +53,11 @@ __all__ = [
     "GenerationFitError",
     "GenerationMemory",
     "GenerationTrial",
+    "MAX_PADDING",
     "MemoryRoom",
     "UnverifiedShapeError",
+    "band_heads",
+    "band_low",
     "check_token_id",
     "choose_prompt_lengths",
     "context_length",
@@ -73,6 +76,11 @@ logger = logging.getLogger(__name__)
 _SCALE_SHARE = 1 / 16
 #: on a figure other than exact tensor bytes, the second trial aims at this share of the room
 _SECOND_SHARE = 0.25
+#: a batch pads no prompt to more than this many times its length, unless by no more than
+#: max_new_tokens (whose steps cost alike): every decoding step attends over the padding too. On a
+#: 4-layer Llama on CPU (benchmarks/lm_eval_side_by_side.py) 190 prompts of 10-207 tokens in one
+#: batch padded to 207 took 1.9x the time of the batches cut at each halving of the length
+MAX_PADDING = 2.0
 #: the config fields that give a causal LM's context, most specific first
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -110,6 +118,9 @@ class GenerationTrial:
             ``start_bytes``; the tensor bytes themselves under an emulated CPU capacity.
         start_bytes: that figure when the trial started.
         seconds: the call's wall time.
+        prompts: the indices of the real prompts it ran (``()``: made-up prompts).
+        outputs: with real prompts that ran to the end, each row's new tokens as a ``generate``
+            without the trial's measurement gives them (cut after the EOS the trial held back).
     """
 
     batch_size: int
@@ -122,6 +133,8 @@ class GenerationTrial:
     peak_bytes: int | None = None
     start_bytes: int = 0
     seconds: float = 0.0
+    prompts: tuple[int, ...] = ()
+    outputs: tuple[list[int], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def measured(self) -> bool:
@@ -133,7 +146,7 @@ class GenerationTrial:
                 "max_new_tokens": self.max_new_tokens, "outcome": self.outcome,
                 "prefill_bytes": self.prefill_bytes, "tensor_peak_bytes": self.tensor_peak_bytes,
                 "peak_bytes": self.peak_bytes, "start_bytes": self.start_bytes, "seconds": self.seconds,
-                "decode_steps": len(self.decode_bytes)}
+                "decode_steps": len(self.decode_bytes), "real_prompts": len(self.prompts)}
 
 
 @dataclass(kw_only=True)
@@ -478,7 +491,7 @@ class MemoryRoom:
     @contextlib.contextmanager
     def measuring(self, model: Any) -> Iterator[None]:
         """Trials' context: on a CPU with no tracker running, one that counts the tensors (the model included)."""
-        if self.device.type != "cpu" or active_tracker(self.device) is not None:
+        if self.device.type != "cpu" or self.meter is self.gauge or active_tracker(self.device) is not None:
             yield
             return
         with StorageTracker(self.device) as tr:
@@ -537,7 +550,12 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
                 tr.track(model)  # the weights count from the start, not when a trial first reads them
         gauge = gauge_for(dev, emulated_capacity=emulated)
         stack.callback(gauge.close)
-        meter = TensorGauge(dev) if dev.type == "cpu" else AllocatorGauge(dev)
+        if gauge.host and active_tracker(dev) is None:
+            # a real host: the failing figure is measured as it is, step by step; a storage tracker
+            # would cost about three times the generate it measures (one Python call per operator)
+            meter: Gauge = gauge
+        else:
+            meter = TensorGauge(dev) if dev.type == "cpu" else AllocatorGauge(dev)
         free_memory(dev)
         capacity_bytes = int(gauge.capacity())
         start = int(gauge.current())
@@ -574,12 +592,24 @@ class _Windows:
 
 
 class _KeepGoing:
-    """A logits processor that lets no EOS win, in place, so that a trial runs every step it is asked."""
+    """A logits processor that lets no EOS win, in place, so that a trial runs every step it is asked.
+
+    It runs after every other processor, so the scores it sees are those greedy decoding picks
+    from: it notes, per row, the first step whose pick is an EOS (and which), where a plain
+    ``generate`` ends that row. The rows' tokens before it are the plain run's.
+    """
 
     def __init__(self, eos: Sequence[int]) -> None:
         self.eos = tuple(eos)
+        self.step = 0
+        self.ended: dict[int, tuple[int, int]] = {}  # {row: (step, the EOS greedy picked there)}
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        picks = scores.argmax(dim=-1).tolist()
+        for row, tok in enumerate(picks):
+            if tok in self.eos and row not in self.ended:
+                self.ended[row] = (self.step, tok)
+        self.step += 1
         for e in self.eos:  # a view and a fill: no new tensor (scores is generate's own float copy)
             scores[:, e] = float("-inf")
         return scores
@@ -629,10 +659,10 @@ def context_length(model: Any) -> int | None:
     return None
 
 
-def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, kwargs: dict[str, Any]) -> None:
+def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, kwargs: dict[str, Any]) -> Any:
     try:
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, **kwargs)
     except Exception as exc:
         if not is_oom(exc):  # an OOM is the trial's answer, caught by attempt()
             add_note(exc, f"batchpilot: in a sizing trial, generate of {ids.shape[0]} prompts of {ids.shape[1]} "
@@ -642,12 +672,18 @@ def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens:
 
 def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_length: int, max_new_tokens: int,
                      pad_token_id: int, token_id: int, eos: Sequence[int] = (),
-                     generate_kwargs: Mapping[str, Any] | None = None) -> GenerationTrial:
+                     generate_kwargs: Mapping[str, Any] | None = None,
+                     prompts: Mapping[int, Sequence[int]] | None = None) -> GenerationTrial:
     """One trial: ``generate`` of ``batch_size`` prompts of ``token_id`` (the first one left-padded by a token).
 
     Every step is measured (:class:`GenerationTrial`); no row stops at an EOS, so all
     ``max_new_tokens`` steps run. An OOM is recovered from (``outcome="oom"``); any other error
     propagates. Call it inside :meth:`MemoryRoom.measuring`.
+
+    ``prompts`` (``{index: token ids}``, at most ``batch_size``, each shorter than
+    ``prompt_length``) runs those real prompts in the first rows instead, left-padded to
+    ``prompt_length``, and keeps their outputs (greedy decoding only: the EOS held back is put back
+    where greedy picked it); made-up rows fill the batch to ``batch_size``.
     """
     kwargs = dict(generate_kwargs or {})
     kwargs.setdefault("do_sample", False)
@@ -656,20 +692,37 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
         kwargs["eos_token_id"] = list(eos)
     windows = _Windows(room)
     kwargs["stopping_criteria"] = _hf_list("stopping_criteria", [*(kwargs.get("stopping_criteria") or ()), windows])
+    keep_going = _KeepGoing(eos)
     if eos:
         kwargs["logits_processor"] = _hf_list("logits_processor",
-                                              [*(kwargs.get("logits_processor") or ()), _KeepGoing(eos)])
+                                              [*(kwargs.get("logits_processor") or ()), keep_going])
     dev = room.device
+    real = dict(prompts or {})
+    if len(real) > batch_size:
+        raise ValueError(f"{len(real)} real prompts for a trial of {batch_size}")
     room.gauge.reset()
     room.meter.reset()
     start_gauge, start_tensors = int(room.gauge.current()), int(room.meter.current())
     began = time.perf_counter()
     # the prompts count: a real batch's ids and mask live through its generate too
-    ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=dev)
-    mask = torch.ones_like(ids)
-    if prompt_length > 1:  # a padded batch takes the masked path real batches take
-        ids[0, 0] = pad_token_id
-        mask[0, 0] = 0
+    if real:
+        ids = torch.full((batch_size, prompt_length), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        ids[len(real):, 1:] = token_id  # made-up rows, each padded by a token
+        mask[len(real):, 1:] = 1
+        for row, p in enumerate(real.values()):
+            if len(p) >= prompt_length:
+                raise ValueError(f"a trial's real prompt has {len(p)} tokens: it must be shorter than the trial's "
+                                 f"{prompt_length}, so that its row is padded as a real batch's")
+            ids[row, prompt_length - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[row, prompt_length - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+    else:
+        ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=dev)
+        mask = torch.ones_like(ids)
+        if prompt_length > 1:  # a padded batch takes the masked path real batches take
+            ids[0, 0] = pad_token_id
+            mask[0, 0] = 0
     outcome = attempt(_generate, model, ids, mask, max_new_tokens, kwargs, device=dev)
     seconds = time.perf_counter() - began
     last_gauge, last_tensors = int(room.gauge.peak()), int(room.meter.peak())
@@ -678,7 +731,8 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
     if outcome.oom:
         logger.info("trial %d x (%d + %d): out of memory", batch_size, prompt_length, max_new_tokens)
         return GenerationTrial(batch_size=batch_size, prompt_length=prompt_length, max_new_tokens=max_new_tokens,
-                               outcome=OOM, peak_bytes=peak, start_bytes=start_gauge, seconds=seconds)
+                               outcome=OOM, peak_bytes=peak, start_bytes=start_gauge, seconds=seconds,
+                               prompts=tuple(real))
     steps = [(T, y - start_tensors) for T, y in windows.tensors]
     if not steps:
         raise RuntimeError("generate ran no step that the measurement saw: it must call its stopping criteria "
@@ -687,10 +741,20 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
     T_last, y_last = steps[-1]
     steps[-1] = (T_last, max(y_last, last_tensors - start_tensors))
     fits = start_gauge + peak <= room.limit_bytes
+    outputs: tuple[list[int], ...] = ()
+    if real:
+        out = outcome.result
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        rows = sequences[:len(real), prompt_length:].tolist()
+        for row, (step, tok) in keep_going.ended.items():
+            if row < len(rows):
+                rows[row] = rows[row][:step] + [tok]
+        outputs = tuple(rows)
     trial = GenerationTrial(batch_size=batch_size, prompt_length=prompt_length, max_new_tokens=max_new_tokens,
                             outcome=FIT if fits else OVER_TARGET, prefill_bytes=steps[0][1],
                             decode_bytes=tuple(steps[1:]), tensor_peak_bytes=max(y for _, y in steps),
-                            peak_bytes=peak, start_bytes=start_gauge, seconds=seconds)
+                            peak_bytes=peak, start_bytes=start_gauge, seconds=seconds, prompts=tuple(real),
+                            outputs=outputs)
     logger.info("trial %d x (%d + %d): %s (%s of tensors), %s", batch_size, prompt_length, max_new_tokens,
                 format_bytes(peak), format_bytes(trial.tensor_peak_bytes), trial.outcome)
     return trial
@@ -713,12 +777,24 @@ def choose_prompt_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
 
 def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_new_tokens: int, pad_token_id: int,
            eos: Sequence[int] = (), token_id: int | None = None, max_batch_size: int | None = None,
-           generate_kwargs: Mapping[str, Any] | None = None) -> GenerationMemory:
+           generate_kwargs: Mapping[str, Any] | None = None, prompts: Mapping[int, Sequence[int]] | None = None,
+           max_padding: float = MAX_PADDING) -> GenerationMemory:
     """:func:`fit_generation_memory` in a room already open (the generate batcher's).
 
     At each chosen prompt length, longest first: a trial at 1; one at 2 (on an emulated CPU's
     exact bytes) or at the size the first puts at a quarter of the room; the model of every
     trial so far; and a trial at its answer, unless that ran already. At most three per length.
+
+    With ``prompts`` (``{index: token ids}``, greedy decoding only) the lengths are chosen among
+    the longest prompts of their bands (:func:`band_heads`), and the trials run those real
+    prompts, their outputs kept in :attr:`GenerationTrial.outputs`: at a length ``P`` they are
+    padded to ``P + 1`` (every row padded, as in a real batch) and take the longest prompts left
+    that fit there padded to no more than ``max_padding`` times their length (or by no more than
+    ``max_new_tokens``). After the first length the trial at 1 is left out: the model of the longer
+    lengths, which sizes a shorter prompt for no less than it needs, gives the first trial's size;
+    a later length with too few real prompts left for a trial to tell (its modelled growth under
+    1/16 of the room) is not fitted: the longer lengths' model sizes them.
+    The first length's second trial is filled with made-up rows where too few real prompts are left.
 
     Raises:
         NothingFitsError: one prompt of the longest length does not fit.
@@ -727,13 +803,28 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
     N = positive_int("max_new_tokens", max_new_tokens)
     cap = None if max_batch_size is None else positive_int("max_batch_size", max_batch_size)
     token = _trial_token(model, pad_token_id, eos) if token_id is None else check_token_id("token_id", token_id)
-    lengths = sorted(choose_prompt_lengths(prompt_lengths), reverse=True)  # the longest first: fails fastest
     trials: list[GenerationTrial] = []
+    pending = sorted(prompts or {}, key=lambda i: -len(prompts[i]))  # type: ignore[index]
+    # real prompts: fit at the lengths batches start at (each the longest of a band a batch may pad together)
+    heads = band_heads([len(prompts[i]) for i in pending], N, max_padding) if pending else prompt_lengths  # type: ignore[index]
+    lengths = sorted(choose_prompt_lengths(heads), reverse=True)  # the longest first: fails fastest
+    context = context_length(model)
 
-    def run(b: int, P: int) -> GenerationTrial:
+    def take(b: int, width: int) -> dict[int, Sequence[int]]:
+        low = band_low(width, N, max_padding)
+        picked = [i for i in pending if low <= len(prompts[i]) < width][:b]  # type: ignore[index]
+        return {i: prompts[i] for i in picked}  # type: ignore[index]
+
+    def run(b: int, P: int, real: bool = False, fill: bool = False) -> GenerationTrial:
+        chosen = take(b, P) if real else {}
+        if chosen and not fill:
+            b = len(chosen)
         t = measure_generate(model, room, batch_size=b, prompt_length=P, max_new_tokens=N, pad_token_id=pad_token_id,
-                             token_id=token, eos=eos, generate_kwargs=generate_kwargs)
+                             token_id=token, eos=eos, generate_kwargs=generate_kwargs, prompts=chosen or None)
         trials.append(t)
+        if t.outcome != OOM:
+            for i in t.prompts:
+                pending.remove(i)
         return t
 
     def fitted() -> GenerationMemory:
@@ -741,27 +832,58 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
                                             capacity_bytes=room.capacity_bytes, memory=room.gauge.kind)
 
     with room.measuring(model):
-        for P in lengths:
-            first = run(1, P)
-            if first.outcome != FIT:
-                raise _nothing_fits(first, room)
-            if cap == 1:
-                continue
-            if room.exact:
-                b2 = 2
+        for k, P in enumerate(lengths):
+            real = bool(pending) and (context is None or P + 1 + N <= context)
+            W = P + 1 if real else P
+            if real and k > 0:
+                so_far = fitted()
+                b1 = max(1, so_far.max_batch(W, N, max_batch_size=cap))
+                if so_far.growth(len(take(b1, W)), W, N) < _SCALE_SHARE * room.room_bytes:
+                    # too few prompts left here for a figure to tell (or none): the longer lengths' model sizes them
+                    continue
+                first = run(b1, W, real)
             else:
-                # by the larger of the two figures: a caching allocator may reserve nothing new for one prompt
-                grew = max(1, first.peak_bytes or 0, first.tensor_peak_bytes or 0)
-                b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / grew))
-            b2 = b2 if cap is None else min(b2, cap)
-            run(b2, P)
-            answer = fitted().max_batch(P, N, max_batch_size=cap)
-            if answer >= 1 and all(t.batch_size != answer for t in trials if t.prompt_length == P):
-                run(answer, P)
+                first = run(1, W, real)
+                if first.outcome != FIT:  # named by the prompt's own length, not the trial's padded one
+                    raise _nothing_fits(first, room, length=P)
+                if cap == 1:
+                    continue
+                if room.exact:
+                    b2 = 2
+                else:
+                    # by the larger of the two figures: a caching allocator may reserve nothing new for one prompt
+                    grew = max(1, first.peak_bytes or 0, first.tensor_peak_bytes or 0)
+                    b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / grew))
+                b2 = b2 if cap is None else min(b2, cap)
+                run(b2, W, real, fill=True)  # the line over batch sizes needs this size: made-up rows fill it
+            answer = fitted().max_batch(W, N, max_batch_size=cap)
+            if answer >= 1 and all(t.batch_size != answer for t in trials if t.prompt_length == W):
+                if not real or take(answer, W):  # real prompts left at this length, or made-up ones
+                    run(answer, W, real)
     memory = fitted()
     logger.info("generation memory from %d trials: %.0f B per token of cache, %.0f B per step, scale %.3f",
                 len(trials), memory.per_token_bytes, memory.per_step_bytes, memory.scale)
     return memory
+
+
+def band_low(length: int, max_new_tokens: int, max_padding: float = MAX_PADDING) -> float:
+    """The shortest prompt a batch padded to ``length`` takes: padded to at most ``max_padding``
+    times its length, or by at most ``max_new_tokens``."""
+    return min(length / max_padding, length - max_new_tokens)
+
+
+def band_heads(lengths: Sequence[int], max_new_tokens: int, max_padding: float = MAX_PADDING) -> list[int]:
+    """The longest prompt of each band, longest first: a band starts at the longest prompt left and
+    holds every prompt down to :func:`band_low` of it.
+
+    >>> band_heads([917, 880, 207, 150, 103, 60, 51, 10], 48)
+    [917, 207, 103, 51]
+    """
+    heads: list[int] = []
+    for L in sorted(lengths, reverse=True):
+        if not heads or L < band_low(heads[-1], max_new_tokens, max_padding):
+            heads.append(L)
+    return heads
 
 
 def _trial_token(model: Any, pad_token_id: int, eos: Sequence[int]) -> int:
@@ -769,11 +891,12 @@ def _trial_token(model: Any, pad_token_id: int, eos: Sequence[int]) -> int:
     return next(i for i in range(len(eos) + 2) if i != pad_token_id and i not in eos)
 
 
-def _nothing_fits(trial: GenerationTrial, room: MemoryRoom) -> NothingFitsError:
+def _nothing_fits(trial: GenerationTrial, room: MemoryRoom, length: int | None = None) -> NothingFitsError:
+    length = trial.prompt_length if length is None else length
     what = ("ran out of memory" if trial.outcome == OOM
             else f"peaked at {format_bytes(room.start_bytes + (trial.peak_bytes or 0))}")
     return NothingFitsError(
-        f"one prompt of {trial.prompt_length} tokens with max_new_tokens={trial.max_new_tokens} {what}, over the limit "
+        f"one prompt of {length} tokens with max_new_tokens={trial.max_new_tokens} {what}, over the limit "
         f"{format_bytes(room.limit_bytes)} ({room.target:.0%} of {format_bytes(room.capacity_bytes)}) on "
         f"{room.device}: shorten the prompts or max_new_tokens, use a smaller model or half precision, a larger "
         "target, or a device with more memory",

@@ -61,6 +61,12 @@ class BatchpilotLM(HFLM):
             itself (an int other than 1 is logged and ignored).
         **kwargs: any other argument of ``HFLM`` (``tokenizer``, ``max_length``, ``dtype``, ...).
 
+    Attributes:
+        scorer: the :class:`~batchpilot.infer.score.LengthScorer` of ``loglikelihood`` and rolling windows.
+        generations: the last ``generate_until``'s runs of
+            :func:`~batchpilot.infer.generate.generate_by_length`, one per group of requests with the
+            same ``gen_kwargs`` (each a :class:`~batchpilot.infer.generate.Generations`: trials, batches, OOMs).
+
     Raises:
         BatchSizeError: ``target`` outside (0, 1] or an unreadable ``capacity`` (before the model loads).
     """
@@ -85,6 +91,7 @@ class BatchpilotLM(HFLM):
                                    capacity=self.capacity, device=self.device, max_length=self.max_length,
                                    max_batch_size=self.max_batch_size, track=[self.model], agree=self._all_gather,
                                    pads=True)
+        self.generations: list[Any] = []
 
     # ------------------------------------------------------------------ ranks
     def _all_gather(self, obj: Any) -> list[Any]:
@@ -214,6 +221,7 @@ class BatchpilotLM(HFLM):
                                  f"{self.max_length} tokens; ask for fewer new tokens (below {self.max_length})")
             jobs.append((idx, kwargs, until, max_gen_toks, room))
         out: list[str | None] = [None] * len(requests)
+        self.generations = []
         if not jobs:
             return []
         from ..infer.generate import generate_by_length  # the generation half, imported when used
@@ -228,6 +236,7 @@ class BatchpilotLM(HFLM):
             generated = generate_by_length(
                 self.model, prompts, max_new_tokens=new_tokens, pad_token_id=self.tokenizer.pad_token_id,
                 target=self.target, capacity=self.capacity, device=self.device, **_generate_kwargs(kwargs))
+            self.generations.append(generated)
             for i, tokens in zip(idx, generated):
                 out[i] = self._finish(list(tokens), until)
                 self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
