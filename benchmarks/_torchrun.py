@@ -1,6 +1,6 @@
 """What the multi-rank benchmarks share: launching themselves under torchrun, timing variants in turn, ending.
 
-Used by ``ddp_overhead.py``, ``fsdp_overhead.py`` and ``lengths_ddp.py``.
+Used by ``ddp_overhead.py``, ``fsdp_overhead.py``, ``lengths_ddp.py`` and ``rl_fsdp.py``.
 """
 
 from __future__ import annotations

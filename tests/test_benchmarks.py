@@ -529,6 +529,30 @@ def test_lengths_ddp_quick_runs_the_three_arms_on_two_ranks(tmp_path):
 
 
 @pytest.mark.bench
+def test_rl_fsdp_quick_trains_rollouts_on_two_sharded_ranks_exactly(tmp_path):
+    """benchmarks/rl_fsdp.py --quick (torchrun, FSDP2): both arms exact, as many micro-batches on both
+    ranks, no OOM after step 1; the split arm runs fewer micro-batches (speed not asserted)."""
+    out = tmp_path / "rl_fsdp.json"
+    proc = run_script("rl_fsdp.py", "--quick", "--json", str(out), timeout=400)
+    assert "samples/s ratio" in proc.stdout and "exact" in proc.stdout
+    arms = {a["arm"]: a for a in json.loads(out.read_text())["arms"]}
+    assert list(arms) == ["fixed", "by length + split"]
+    for a in arms.values():
+        assert a["ooms_after_first"] == 0 and a["exact"] and a["same_micro_batches_on_every_rank"], a
+    assert arms["by length + split"]["mean_micro_batches"] < arms["fixed"]["mean_micro_batches"]
+
+
+@pytest.mark.bench
+def test_fsdp_faults_two_launches_pass(tmp_path):
+    """benchmarks/fsdp_faults.py --launches 2: each launch trains exactly or fails fast naming the rank."""
+    out = tmp_path / "faults.json"
+    run_script("fsdp_faults.py", "--launches", "2", "--seed", "3", "--json", str(out), timeout=400)
+    doc = json.loads(out.read_text())
+    assert doc["passed"] == 2 and doc["hangs"] == 0
+    assert all(r["fired"] is not None for r in doc["launches"])
+
+
+@pytest.mark.bench
 def test_lengths_quick_prints_the_three_arms(tmp_path):
     """benchmarks/lengths.py --quick: no OOM after step 1, exact parameters, the model's memory used (speed not asserted)."""
     out = tmp_path / "lengths.json"

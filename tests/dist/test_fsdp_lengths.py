@@ -111,3 +111,14 @@ def test_world_2_length_models_match_the_real_two_rank_peak_at_lengths_they_did_
         est = p.estimate
         assert est.unsharded_parameters > 0, L
         assert planned.fit.fixed_bytes(L) >= est.parameters + est.unsharded_parameters, L
+
+
+def test_rl_example_trains_rollouts_of_unknown_length_equal_to_one_process():
+    # lengths exist only once the sharded policy has generated them; --check replays the same
+    # rollouts in one process and compares the parameters
+    example = HELPERS.parents[1] / "examples" / "rl_fsdp.py"
+    done = torchrun(example, "--capacity", "3MiB", "--steps", "4", "--check", timeout=240,
+                    finished=lambda out: "one process on the same rollouts" in out)
+    assert "one process on the same rollouts: equal" in done.stdout, done.stdout
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and all("OOMs 0" in line for line in steps[1:]), steps
