@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(420)
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_lengths")
-    torchrun(WORKER, str(out), "find", "split", "shrink-split", "faults", timeout=400)
+    torchrun(WORKER, str(out), "split", "shrink-split", "faults", "find", timeout=400)
     return out
 
 

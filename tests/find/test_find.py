@@ -504,6 +504,35 @@ def test_nothing_fits_reports_the_smallest_peak_and_capacity(capacity):
     assert_same_state(before, state_of(model, opt))
 
 
+def test_trial_peaks_under_the_tracker_do_not_depend_on_when_the_collector_runs():
+    import gc
+
+    def step(b: int) -> None:
+        keep = torch.ones(b * 1000)
+        cycle: list = [torch.ones(b * 500)]
+        cycle.append(cycle)  # garbage only the cyclic collector frees
+        del cycle
+        for _ in range(100):  # allocations that let a collection run here, or not
+            [[]]
+        more = torch.ones(b * 2000)
+        del keep, more
+
+    def peaks() -> list:
+        plan = find_batch_size(step, capacity="1MiB", device="cpu", max_batch_size=16, steps_per_trial=1,
+                               strategy="binsearch")
+        return [(t.batch_size, t.peak_bytes) for t in plan.trials]
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(1)  # a young collection at almost every allocation
+        eager = peaks()
+        gc.set_threshold(100_000)
+        lazy = peaks()
+    finally:
+        gc.set_threshold(*before)
+    assert eager == lazy
+
+
 def test_an_oom_at_the_smallest_size_is_run_once_more_before_nothing_fits(caplog):
     # one passing failure at batch 1 (another process held the memory a moment) does not end a job
     # that fits; a shortage that stays fails again, after one more trial only

@@ -283,6 +283,5 @@ def run_find(out: Path) -> None:
         "trials": {str(L): [(t.batch_size, t.outcome, t.peak_bytes) for t in p.trials]
                    for L, p in plan.length_plans.items()},
         "restored": all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())),
-        "onednn": torch.backends.mkldnn.enabled,
         "peaks": [[b, L, tracked_peak(b, L)] for b, L in PEAK_AT],
     })
