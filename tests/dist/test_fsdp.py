@@ -311,8 +311,10 @@ def test_find_batch_size_fsdp_agrees_after_each_trial_and_restores_the_shards(la
     assert r0["restored"] and r1["restored"] and r0["state_restored"] and r1["state_restored"]
     for rank in (0, 1):  # find_batch_size_for on a model sharded over ranks searches in lockstep by itself
         generic = read_result(launched, f"find_rank{rank}.json")["generic"]
-        # its step (a slice of the example batch each trial) holds a little more than the direct one's
-        assert 8 <= generic["batch_size"] < 16 and generic["limited_by_rank"] == 1
+        # its own step (slices of the example batch, the loss through the engine's rules) holds more
+        # than the direct one's, so rank 1's device bounds it below 16 without pinning it to 8
+        assert 1 <= generic["batch_size"] < 16 and generic["limited_by_rank"] == 1
+        assert any(outcome == "oom" for _, outcome, _ in generic["trials"])  # rank 1 ran out, in lockstep
         assert generic == read_result(launched, "find_rank0.json")["generic"]  # the same trials everywhere
 
 

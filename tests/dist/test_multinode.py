@@ -1,4 +1,4 @@
-"""The DDP and FSDP2 examples as a two-node job: two torchrun agents meeting by c10d rendezvous.
+"""The DDP, FSDP2 and RL (FSDP2 by length) examples as two-node jobs: two torchrun agents meeting by c10d rendezvous.
 
 Each agent stands for one machine (``--nnodes=2 --nproc-per-node=1``, the same command on
 both); here both run on this machine and meet at a rendezvous store on localhost, as they would
@@ -49,3 +49,12 @@ def test_ddp_and_fsdp_examples_run_on_two_nodes():
         lines = _steps(res)
         assert all("x 2 rank(s)" in line and "limited by rank 1" in line for line in lines), lines
     assert "FSDP2" in "".join(r.stdout for r in results["fsdp"])
+
+
+def test_rl_example_sized_by_length_runs_on_two_nodes_equal_to_one_process():
+    # FSDP2 with lengths known only after each rollout, one rank per "machine"
+    res = torchrun_nodes(ROOT / "examples" / "rl_fsdp.py", "--steps", str(STEPS), "--capacity", "3MiB", "--check",
+                         nnodes=2, nproc=1, timeout=240, finished=lambda out: "one process on the same rollouts" in out)
+    out = "".join(r.stdout for r in res)
+    assert "one process on the same rollouts: equal" in out, out
+    assert out.count("step ") >= STEPS

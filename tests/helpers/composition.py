@@ -185,11 +185,6 @@ class Cell:
 def by_design_refusal(cell: Cell) -> str | None:
     """The message (a regex) a cell must refuse with, when refusing is its right outcome; else ``None``."""
     parts = cell.parts
-    if cell.launch == "fsdp" and parts & {"lengths_plan", "lengths_fn"}:
-        # the plan comes first: find_batch_size_for's trials would not run in lockstep
-        return r"sharded with fully_shard over several ranks.*Use batchpilot.dist.fsdp.find_batch_size_fsdp"
-    if cell.launch == "fsdp" and parts & {"lengths", "split"}:
-        return r"lengths= does not size FSDP steps yet.*leave lengths out with fully_shard, or train with DDP"
     if cell.layout == "list" and parts & {"lengths", "split"}:
         return r"seq_dim=1 is missing from the batch.*pass length_fn="
     if cell.layout == "list" and "lengths_plan" in parts:
@@ -233,13 +228,15 @@ def ddp_cells() -> list[Cell]:
 
 
 def fsdp_cells() -> list[Cell]:
-    """2-rank FSDP2 (fully_shard): the options it supports, those it refuses by design (lengths), and an OOM
-    on one rank only in a finder trial (``oom1``)."""
+    """2-rank FSDP2 (fully_shard): every option on tuple and dict batches, sizing by length on every layout it
+    reads, and an OOM on one rank only in a finder trial (``oom1``)."""
     return _cross(("fixed", "auto", "lengths", "split", "noise"), ("tuple", "dict_mask"), ("fp32",), "fsdp") + [
         Cell(o, l, d, "fsdp") for o, l, d in (
             ("auto", "dict_labels", "fp32"), ("auto", "list", "fp32"), ("auto", "dict_mask", "bf16"),
             ("auto", "dict_mask", "fp64"), ("schedule", "dict_mask", "fp32"), ("fixed+noise", "dict_mask", "fp32"),
-            ("compile", "dict_mask", "fp32"), ("lengths_fn", "list", "fp32"), ("auto+oom1", "dict_mask", "fp32"))]
+            ("compile", "dict_mask", "fp32"), ("lengths_fn", "list", "fp32"), ("auto+oom1", "dict_mask", "fp32"),
+            ("lengths_plan", "dict_mask", "fp32"), ("split", "dict_labels", "fp32"), ("lengths", "dict_mask", "fp64"),
+            ("split+noise", "dict_mask", "fp32"))]
 
 
 @dataclass

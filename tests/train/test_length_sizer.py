@@ -58,7 +58,7 @@ def _sizer(model, opt, widths: list[int], **config) -> LengthSizer:
         return find_batch_size(lambda b: _train(model, opt, split.slice(0, b), b), restore=(model, opt),
                                device=CPU, capacity=CAP, max_batch_size=split.size, timed_steps=0)
 
-    sizer = make_sizer(LengthConfig(**config), None, start=None, fixed=False, fsdp=False, search=search,
+    sizer = make_sizer(LengthConfig(**config), None, start=None, fixed=False, search=search,
                        layout=BatchLayout.of(None, None), per_rank=N,
                        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                        target=0.8, high_water=0.95, world=1, group=None)
@@ -111,7 +111,7 @@ def test_a_length_beyond_the_verified_is_refused_before_any_search_when_asked():
 
 
 def test_make_sizer_refuses_what_it_cannot_size_before_any_work():
-    common = dict(fsdp=False, search=lambda split: pytest.fail("searched"), layout=None, per_rank=N, param_bytes=0,
+    common = dict(search=lambda split: pytest.fail("searched"), layout=None, per_rank=N, param_bytes=0,
                   target=0.8, high_water=0.95, world=1, group=None)
     assert make_sizer(None, None, start=None, fixed=False, **common) is None  # off, and no LengthPlan start
     assert make_sizer(False, None, start=4, fixed=False, **common) is None
@@ -121,5 +121,5 @@ def test_make_sizer_refuses_what_it_cannot_size_before_any_work():
         make_sizer(True, None, start=4, fixed=False, **common)
     with pytest.raises(ValueError, match="lengths must be a LengthConfig, True or None, got str"):
         make_sizer("yes", None, start=None, fixed=False, **common)
-    with pytest.raises(ValueError, match="does not size FSDP steps yet"):
+    with pytest.raises(TypeError, match="fsdp"):  # gone: a fully_shard model is sized as any other
         make_sizer(True, None, start=None, fixed=False, **(common | {"fsdp": True}))

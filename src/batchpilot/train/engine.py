@@ -291,7 +291,7 @@ class Engine:
             micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
             ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
             schedule that follows the noise scale with ``noise=False``, ``lengths`` with a fixed
-            micro-batch, an int ``start``, or FSDP.
+            micro-batch, or an int ``start``.
         TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type, a
             ``coordinator`` that lacks a member of the :class:`~batchpilot.dist.coordinator.Coordinator`
             protocol.
@@ -425,7 +425,7 @@ class Engine:
             self._apply_schedule_change(first)
         #: sizes each step by its sequence length (batchpilot.train.lengths), or None
         self.lengths: LengthSizer | None = make_sizer(
-            lengths, self.plan, start=self._start, fixed=self.fixed, fsdp=self._fsdp, search=self._length_search,
+            lengths, self.plan, start=self._start, fixed=self.fixed, search=self._length_search,
             layout=self.layout, per_rank=self._per_rank,
             param_bytes=sum(p.numel() * p.element_size() for p in self._params),
             target=self.target, high_water=cfg.high_water, world=self._world, group=self.coordinator.group,

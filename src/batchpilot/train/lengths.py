@@ -116,19 +116,20 @@ class LengthStep:
 
 
 def make_sizer(
-    lengths: LengthConfig | bool | None, plan: BatchPlan | None, *, start: int | None, fixed: bool, fsdp: bool,
+    lengths: LengthConfig | bool | None, plan: BatchPlan | None, *, start: int | None, fixed: bool,
     search: Callable[[BatchSplitter], BatchPlan], layout: BatchLayout, per_rank: int, param_bytes: int,
     target: float, high_water: float, world: int, group: Any,
 ) -> LengthSizer | None:
     """The engine's sizer, or ``None`` (no ``lengths`` and no :class:`LengthPlan` start).
 
     ``plan`` and ``start`` are the engine's start (the plan it was given, and the first
-    micro-batch as an int); ``fixed``: its micro-batch is fixed; ``fsdp``: it trains a
-    ``fully_shard`` model. The other arguments are :class:`LengthSizer`'s.
+    micro-batch as an int); ``fixed``: its micro-batch is fixed. The other arguments are
+    :class:`LengthSizer`'s. A ``fully_shard`` model is sized as any other: the engine's searches
+    run in lockstep through its FSDP coordinator.
 
     Raises:
-        ValueError: ``lengths`` with a fixed micro-batch, a ``start`` that is an int, FSDP, or of
-            the wrong type.
+        ValueError: ``lengths`` with a fixed micro-batch, a ``start`` that is an int, or of the
+            wrong type.
     """
     if lengths is None or lengths is False:
         if not isinstance(plan, LengthPlan):
