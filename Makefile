@@ -12,17 +12,24 @@ PIN    := $(VENV)/torch-constraint.txt
 
 .PHONY: venv train test test-bench bench clean
 
-$(BIN)/.installed: pyproject.toml
+define make_venv
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
 	echo '$(TORCH)' > $(PIN)
+endef
+
+$(BIN)/.installed: pyproject.toml
+	$(make_venv)
 	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli]'
 	touch $@
 
-# the tests also cover batchpilot.integrations (Lightning, Hugging Face, Accelerate)
-$(BIN)/.integrations: $(BIN)/.installed
+# the tests also cover batchpilot.integrations (Lightning, Hugging Face, Accelerate). One install of
+# every extra they need, not the train set-up and then the integrations: each pip run resolves the
+# whole set again and builds the editable wheel again (in a fresh build environment)
+$(BIN)/.integrations: pyproject.toml
+	$(make_venv)
 	$(BIN)/pip install -q -c $(PIN) -e '.[dev,cli,integrations]'
-	touch $@
+	touch $(BIN)/.installed $@
 
 venv: $(BIN)/.installed
 
@@ -35,10 +42,10 @@ JOBS ?= auto
 XDIST = -n $(JOBS) --dist loadfile
 # the benchmarks' own smoke runs (marker bench, minutes in all) run behind their own target; the
 # peers benchmark's quick runs stay in make test as the smoke run CI keeps
-test: venv $(BIN)/.integrations
+test: $(BIN)/.integrations
 	$(BIN)/python -m pytest -q $(XDIST) -m "not bench" $(ARGS)
 
-test-bench: venv $(BIN)/.integrations
+test-bench: $(BIN)/.integrations
 	$(BIN)/python -m pytest -q $(XDIST) -m bench tests/test_benchmarks.py $(ARGS)
 
 bench: venv

@@ -42,6 +42,17 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    # Tests import more (torch.compile loads inductor and sympy: 300,000 objects more, 0.3 s on
+    # every later full collection), and torch keeps caches. What is still alive once a test and
+    # its fixtures are done is such state: collect the test's garbage, then freeze what is left,
+    # so that each later search's collection walks only its own test's objects.
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -5,7 +5,8 @@ Fences, in ``README.md`` and every ``docs/*.md``:
 - ` ```python `: runs. A page's blocks run in order in one namespace, like a notebook; each page
   starts from a fresh namespace (all pages share one process, so torch is imported once).
 - ` ```python requires=PKG[,PKG] `: needs an optional package (the integrations extra); runs on its
-  own, in a fresh process, and is skipped with the reason when a package is missing.
+  own, in a fresh namespace and working directory, and is skipped with the reason when a package
+  is missing. These blocks share one process too (one import of each framework, 8-10 s apiece).
 - ` ```python no-run `: not run (it needs a ``torchrun`` launch). The line before it is an HTML
   comment ``<!-- not run: why, and where it is tested instead -->``; each such block is reported
   as a skipped test with that reason, and there are few.
@@ -113,9 +114,8 @@ json.dump(out, open(sys.argv[2], "w"))
 '''
 
 
-def _run_pages(tmp: Path) -> dict[str, str | None]:
-    """``{page: None | the failing block and its traceback}`` for every page with plain Python blocks."""
-    pages = {page: [(b.line, b.code) for b in PLAIN if b.page == page] for page in PLAIN_PAGES}
+def _run_pages(tmp: Path, pages: dict[str, list[tuple[int, str]]]) -> dict[str, str | None]:
+    """``{page: None | the failing block and its traceback}``: each page's ``(line, code)`` blocks in order."""
     (tmp / "blocks.json").write_text(json.dumps(pages))
     (tmp / "runner.py").write_text(_RUNNER)
     proc = subprocess.run([sys.executable, str(tmp / "runner.py"), str(tmp / "blocks.json"), str(tmp / "out.json")],
@@ -123,6 +123,19 @@ def _run_pages(tmp: Path) -> dict[str, str | None]:
     assert proc.returncode == 0 and (tmp / "out.json").exists(), \
         f"the block runner itself failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads((tmp / "out.json").read_text())
+
+
+def _missing(block: Block) -> list[str]:
+    return [p for p in block.requires if importlib.util.find_spec(p) is None]
+
+
+@pytest.fixture(scope="module")
+def extra_blocks_run(tmp_path_factory) -> dict[str, str | None]:
+    """Every block that needs an extra and has it, each as a page of its own, in one process."""
+    runnable = [b for b in NEED_EXTRA if not _missing(b)]
+    if not runnable:
+        return {}
+    return _run_pages(tmp_path_factory.mktemp("extras"), {b.where: [(b.line, b.code)] for b in runnable})
 
 
 def test_the_pages_have_python_blocks_and_say_why_they_skip_any():
@@ -140,22 +153,22 @@ def test_the_pages_have_python_blocks_and_say_why_they_skip_any():
 # One test for all pages, not one per page: they share one process (one torch import), and a test
 # per page sharing a fixture would run every page once per pytest-xdist worker.
 def test_every_python_block_of_every_page_runs_as_written(tmp_path):
-    failures = _run_pages(tmp_path)
+    failures = _run_pages(tmp_path, {page: [(b.line, b.code) for b in PLAIN if b.page == page]
+                                     for page in PLAIN_PAGES})
     assert set(failures) == set(PLAIN_PAGES)
     failed = [message for message in failures.values() if message is not None]
     assert not failed, f"{len(failed)} of {len(failures)} pages failed:\n\n" + "\n\n".join(failed)
 
 
+# a test per block, judged on the one run of them all (make test keeps a file on one worker)
 @pytest.mark.parametrize("block", NEED_EXTRA, ids=lambda b: f"{b.page}:{b.line}")
-def test_blocks_that_need_an_extra_run_on_their_own(block, tmp_path):
-    missing = [p for p in block.requires if importlib.util.find_spec(p) is None]
+def test_blocks_that_need_an_extra_run_on_their_own(block, extra_blocks_run):
+    missing = _missing(block)
     if missing:
         pytest.skip(f"{block.where} needs {', '.join(missing)}: pip install -e '.[integrations]'")
-    script = tmp_path / "block.py"
-    script.write_text(f"# --- {block.where}\n{block.code}\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=_env())
-    assert proc.returncode == 0, f"{block.where} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert block.where in extra_blocks_run, f"{block.where} was not run"
+    failure = extra_blocks_run[block.where]
+    assert failure is None, f"{block.where} failed:\n{failure}"
 
 
 @pytest.mark.parametrize("block", NOT_RUN, ids=lambda b: f"{b.page}:{b.line}")
