@@ -583,11 +583,21 @@ class PredictPolicy(SearchPolicy):
         guess = self._estimate(trials, space, lo, hi)
         if guess is None:
             return _midpoint(floor, upper, lo_b)
+        if lo is not None and hi is not None and guess - lo <= max(1, (hi - lo) // 8) and self._flat_at(lo, trials):
+            # the largest fit is on a flat stretch (a smaller fit peaked as high): memory is convex, so
+            # the chord to the failure is a lower bound of the boundary, and near a kink it crept up
+            # one sample per trial (33 trials where bisecting takes 20); halve the bracket instead
+            return _midpoint(floor, upper, lo_b)
         if self.rel_tolerance and lo is not None:
             # aim a little under the line's answer: a line off by less than half the tolerance
             # then lands on a fit that is close enough, where aiming at it would fail half the time
             guess -= int(guess * self.rel_tolerance / 2)
         return _clamp(guess, floor + 1, upper)
+
+    def _flat_at(self, b: int, trials: Sequence[Trial]) -> bool:
+        """Whether a measured fit below ``b`` peaked as high as ``b`` (to ``tolerance_bytes``)."""
+        pts = _points(trials)
+        return b in pts and any(x < b and pts[b] - pts[x] <= self.tolerance_bytes for x in pts)
 
     def _pair(self, space: SearchSpace) -> tuple[int, int] | None:
         """The two tiny sizes a tensor model starts from (not 1: some programs take another path there)."""
