@@ -116,6 +116,25 @@ def test_nested_track_peak_windows():
     assert outer.peak_bytes == 600 and outer.end_bytes == 0
 
 
+def test_a_storage_freed_on_another_thread_is_named_as_the_race_in_the_peak():
+    # what gloo's worker threads do with a collective's buffers: the last reference dies there
+    import threading
+
+    with track_peak("cpu") as m:
+        held = [torch.empty(300)]  # 1200 bytes
+        kept = torch.empty(50)
+        t = threading.Thread(target=held.clear)
+        t.start()
+        t.join()
+        del kept  # freed here: no race
+    tr_bytes = m.extra["foreign_release_bytes"]
+    assert (m.peak_bytes, m.end_bytes, tr_bytes) == (1400, 0, 1200)
+    with track_peak("cpu") as quiet:
+        x = torch.empty(10)
+        del x
+    assert quiet.extra["foreign_release_bytes"] == 0
+
+
 def test_paused_counts_nothing_but_sees_frees():
     with StorageTracker() as tr:
         a = torch.empty(100)

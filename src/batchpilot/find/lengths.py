@@ -108,7 +108,7 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
                 f"the search at length {L} measured fewer than two batch sizes, so no memory line; raise "
                 "max_batch_size or max_trials"
             )
-        lines[L] = (p.fit.fixed_bytes, p.fit.bytes_per_sample)
+        lines[L] = _line(p)
     fit = fit_lengths(lines)
     top = plans[fitted[-1]]
     base = {f.name: getattr(top, f.name) for f in dataclasses.fields(BatchPlan)}
@@ -120,3 +120,23 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
     budget = out.budget(None if options is None else options.max_batch_size)
     out.per_length = budget.table(asked)
     return out
+
+
+def _line(plan: BatchPlan) -> tuple[float, float]:
+    """``(fixed, per_sample)`` at one length: least squares over the search's measured sizes from 2 up.
+
+    The search's own line runs through the two trials nearest its boundary, often one sample
+    apart, where a few KB of noise in one peak (a cycle freed a step later) tilted the slope by
+    a fifth and the fit over three lengths by as much at a fourth. Every measured size but 1
+    (which may take another path) spreads that over the whole search.
+    """
+    pts = {t.batch_size: float(t.peak_bytes) for t in plan.trials
+           if t.measured and t.batch_size >= 2 and t.peak_bytes is not None}
+    if len(pts) < 3:
+        assert plan.fit is not None
+        return (plan.fit.fixed_bytes, plan.fit.bytes_per_sample)
+    xs = sorted(pts)
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(pts[x] for x in xs) / n
+    slope = sum((x - mx) * (pts[x] - my) for x in xs) / sum((x - mx) ** 2 for x in xs)
+    return (my - slope * mx, slope)

@@ -94,6 +94,7 @@ def track_peak(device: torch.device | str | int | None = None, *, track: Iterabl
             tr = StorageTracker(dev)
         tr.track(*track)
         m.start_bytes = m.peak_bytes = tr.live
+        m.extra["foreign_release_bytes"] = 0  # StorageTracker.foreign_release_bytes, for this region
         tr._windows.append(m)
         try:
             if own:

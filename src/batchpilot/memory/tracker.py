@@ -150,6 +150,11 @@ class StorageTracker(TorchDispatchMode):
     dispatch-level tracker. Fake tensors (``FakeTensorMode``, such as DTensor's sharding
     propagation makes at the full unsharded shape) own no memory and are never counted.
 
+    A storage freed on another thread than the one the tracker runs on (a collective's buffer
+    that gloo's worker thread drops after the wait has returned) is released when that thread
+    drops it, which races with this thread's next allocations: the peak of a step with such
+    frees is reproducible only to within :attr:`foreign_release_bytes`, the largest of them.
+
     :meth:`paused` (or :func:`untracked` for every running tracker) switches
     the counting off for a block, e.g. for copies kept in host memory that are
     not device memory.
@@ -163,7 +168,9 @@ class StorageTracker(TorchDispatchMode):
         self.device = torch.device(device)
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._ledger = StorageLedger(lock=self._lock)
+        self._ledger = StorageLedger(lock=self._lock, on_release=self._released)
+        self._home = threading.get_ident()
+        self.foreign_release_bytes = 0
         # the open track_peak regions (probes.PeakMeasurement), whose peak_bytes this raises
         self._windows: list[Any] = []
         self._timelines: list[list[int]] = []
@@ -181,6 +188,13 @@ class StorageTracker(TorchDispatchMode):
     def peak(self) -> int:
         """The most :attr:`live` has been since the start or :meth:`reset_peak`."""
         return self._ledger.peak
+
+    def _released(self, key: int, nbytes: int) -> None:
+        if threading.get_ident() == self._home:
+            return
+        self.foreign_release_bytes = max(self.foreign_release_bytes, nbytes)
+        for w in self._windows:
+            w.extra["foreign_release_bytes"] = max(nbytes, w.extra.get("foreign_release_bytes", 0))
 
     def charged(self, t: torch.Tensor) -> int | None:
         """The bytes counted for ``t``'s storage, ``None`` when uncounted.
@@ -374,6 +388,7 @@ class StorageTracker(TorchDispatchMode):
         eager = eager_while_tracked()
         eager.__enter__()
         self._eager.append(eager)
+        self._home = threading.get_ident()
         _ACTIVE.append(self)
         _RESIZE_WATCHERS.append(self)
         _patch_resize()
