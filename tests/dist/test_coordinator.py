@@ -118,6 +118,17 @@ def test_a_coordinator_outside_the_base_is_refused_with_the_fix():
 
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"Partial lacks group, lockstep, bind, find_batch_size, agree_batch, "
+    with pytest.raises(TypeError, match=r"Partial lacks rank, group, lockstep, oom_rank, bind, find_batch_size, agree_batch, "
                                         r"set_gradient_sync, attempt, sync_gradients_and_sum, sum_over_ranks, explain"):
         Engine(model, opt, nn.functional.mse_loss, global_batch_size=8, coordinator=Partial())
+
+
+def test_the_rank_that_ran_out_is_recorded_by_both_agreements():
+    # outside a process group this process is rank 0 of 1; the 2-rank case is
+    # tests/dist/test_fsdp_lengths.py's hopeless launch (each rank's error names rank 1)
+    for agree in (lambda c, oom: c.agree_oom(oom), lambda c, oom: c.agree(oom, 4)[0]):
+        c = DistributedCoordinator()
+        assert c.oom_rank is None and not agree(c, False) and c.oom_rank is None
+        assert agree(c, True) and c.oom_rank == 0
+        assert not agree(c, False) and c.oom_rank == 0  # the last OOM's rank stays until another
+    assert LocalCoordinator().oom_rank is None and LocalCoordinator().rank == 0

@@ -121,6 +121,23 @@ def test_world_2_length_models_match_the_real_two_rank_peak_at_lengths_they_did_
         assert planned.fit.fixed_bytes(L) >= est.parameters + est.unsharded_parameters, L
 
 
+def test_a_rank_too_small_for_one_sample_ends_every_rank_naming_it(tmp_path):
+    # rank 1's device shrinks to a tenth from step 2 (under one sample's step): both ranks stop
+    # with the same error naming rank 1 and the micro-batch, well before the process group's timeout
+    import time
+
+    began = time.perf_counter()
+    with pytest.raises(AssertionError) as failed:
+        torchrun(WORKER, str(tmp_path), "hopeless", timeout=120)
+    assert time.perf_counter() - began < 60
+    for rank in range(flc.WORLD):
+        r = read_result(tmp_path, f"hopeless_rank{rank}.json")
+        assert r["error"] == "BatchDoesNotFitError", (rank, r, str(failed.value)[-3000:])
+        assert r["message"].startswith("out of memory at a micro-batch of 1 sample on cpu"), r
+        named = "rank 1: batchpilot emulated capacity exceeded" if rank == 1 else "rank 1 ran out of memory"
+        assert named in r["message"], r
+
+
 def test_rl_example_trains_rollouts_of_unknown_length_equal_to_one_process():
     # lengths exist only once the sharded policy has generated them; --check replays the same
     # rollouts in one process and compares the parameters

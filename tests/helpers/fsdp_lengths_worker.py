@@ -25,7 +25,17 @@ def _fault(out):
     flc.run_fault(out, "fault", capacity=CAP, **spec)
 
 
+def _hopeless(out):
+    # rank 1's device shrinks past what one sample needs: an error on every rank naming it, never a hang
+    try:
+        flc.run(out, "hopeless", split=True, capacity=CAP, squeeze=(2, 0.1))
+    except Exception as exc:
+        flc.dump(out / f"hopeless_rank{flc.bd.rank()}.json", {"error": type(exc).__name__, "message": str(exc)})
+        raise
+
+
 SCENARIOS["fault"] = _fault
+SCENARIOS["hopeless"] = _hopeless
 SCENARIOS["find"] = flc.run_find
 SCENARIOS["faults"] = flc.run_suite_faults
 

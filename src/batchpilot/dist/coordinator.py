@@ -56,6 +56,7 @@ class Coordinator(Protocol):
 
     Attributes:
         world_size: data-parallel ranks; gradients arrive averaged over them.
+        rank: this process's rank among them.
         defer_grad_sync: ``False``: under DDP the last micro-batch's backward all-reduces the
             gradients as usual (an OOM inside it on one rank cannot be agreed on). ``True``:
             every micro-batch runs under ``no_sync`` and, once :meth:`agree_oom` says no rank
@@ -66,12 +67,17 @@ class Coordinator(Protocol):
             ``fully_shard`` (FSDP2) needs (its forward and backward run collectives):
             :meth:`find_batch_size` runs the ``"auto"`` start's trials in lockstep and
             :meth:`attempt` replays an attempt that ran out of memory.
+        oom_rank: the lowest rank that ran out of memory in the last agreement that found an
+            OOM (:meth:`agree_oom`, :meth:`agree`), so that every rank's error can name it;
+            ``None`` before any, and in one process.
     """
 
     world_size: int
+    rank: int
     defer_grad_sync: bool
     group: Any
     lockstep: bool
+    oom_rank: int | None
 
     def bind(self, model: nn.Module) -> None:
         """Attach to the ``fully_shard`` ``model`` the engine trains (once, at construction)."""
@@ -158,9 +164,11 @@ class LocalCoordinator:
     """
 
     world_size = 1
+    rank = 0
     defer_grad_sync = False
     group: Any = None
     lockstep = False
+    oom_rank: int | None = None
 
     def bind(self, model: nn.Module) -> None:
         return None

@@ -150,22 +150,22 @@ def agree_min_with_rank(value: int, *, group: Any = None) -> tuple[int, int]:
     return lowest, who
 
 
-def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[int, int, int, bool]:
-    """``(min, lowest rank holding it, max, any flag)`` of ``value`` over ranks, in one all-reduce.
+def _agree_min_rank_max(value: int, *, group: Any, flag: bool = False) -> tuple[int, int, int, int | None]:
+    """``(min, lowest rank holding it, max, lowest flagged rank or None)`` of ``value`` over ranks, in one all-reduce.
 
     ``value × world + rank`` orders first by value, then by rank, so its minimum carries both;
-    the minimum of ``-value`` is minus the maximum, and that of ``-flag`` minus the flags' MAX:
-    one all-reduce MIN of three ints.
+    the minimum of ``-value`` is minus the maximum, and that of ``(not flag) × world + rank``
+    the lowest flagged rank (``world`` or more when none is): one all-reduce MIN of three ints.
     """
     if not is_distributed():
-        return int(value), rank(), int(value), bool(flag)
-    world = group_size(group)
-    encoded, negated, negated_flag = all_reduce_ints(
-        [int(value) * world + dist.get_rank(group), -int(value), -int(bool(flag))], "min", group=group
+        return int(value), rank(), int(value), (rank() if flag else None)
+    world, me = group_size(group), dist.get_rank(group)
+    encoded, negated, flagged = all_reduce_ints(
+        [int(value) * world + me, -int(value), (0 if flag else world) + me], "min", group=group
     )
     # Python's floor division makes the decoding exact for negative values too.
     lowest, who = divmod(encoded, world)
-    return lowest, who, -negated, negated_flag < 0
+    return lowest, who, -negated, (flagged if flagged < world else None)
 
 
 # ---------------------------------------------------------------------------
@@ -187,8 +187,8 @@ class DistributedCoordinator(LocalCoordinator):
     """Keep ranks in step inside :class:`batchpilot.train.engine.Engine`: pass ``coordinator=`` it.
 
     With ``defer_grad_sync=True`` (the default and the safe choice) the engine runs every
-    micro-batch under ``no_sync``; after the last one, :meth:`agree_oom` (all-reduce MAX of
-    "this rank ran out of memory") runs on every rank, and only if no rank failed does
+    micro-batch under ``no_sync``; after the last one, :meth:`agree_oom` (an all-reduce of
+    "this rank ran out of memory", which also names the lowest such rank) runs on every rank, and only if no rank failed does
     :meth:`sync_gradients` average the gradients. A rank that failed therefore never leaves
     another waiting inside a gradient all-reduce: all ranks drop their gradients, agree on the
     smaller micro-batch (all-reduce MIN, :meth:`agree_micro_batch`) and retry the same batch.
@@ -217,6 +217,7 @@ class DistributedCoordinator(LocalCoordinator):
     Attributes:
         limited_by_rank: The rank whose proposal last set the agreed micro-batch below another
             rank's (the lowest such rank); while all ranks agree it keeps its value.
+        oom_rank: The lowest rank that ran out of memory in the last agreement that found an OOM.
         remote_ooms: Attempts this rank retried because *another* rank ran out of memory.
         collectives: Collectives this coordinator has run (agreements, gradient buckets, buffers).
 
@@ -229,6 +230,7 @@ class DistributedCoordinator(LocalCoordinator):
     bucket_cap_mb: float = 25.0
     sync_buffers: bool = True
     limited_by_rank: int | None = field(default=None, init=False)
+    oom_rank: int | None = field(default=None, init=False)
     remote_ooms: int = field(default=0, init=False)
     collectives: int = field(default=0, init=False)
 
@@ -249,13 +251,18 @@ class DistributedCoordinator(LocalCoordinator):
         return dist.get_rank(self.group) if is_distributed() else 0
 
     def agree_oom(self, oom: bool) -> bool:
-        """True on every rank when any rank ran out of memory (all-reduce MAX).
+        """True on every rank when any rank ran out of memory (all-reduce MIN); sets :attr:`oom_rank`.
 
         Raises:
             RuntimeError: Called while an OOM is being handled (inside its ``except`` block).
         """
         self.collectives += 1
-        anyone = bool(all_reduce_int(int(bool(oom)), "max", group=self.group))
+        world = self.world_size
+        # the lowest rank that ran out, or world or more when none did: one all-reduce MIN
+        flagged = all_reduce_int((0 if oom else world) + self.rank, "min", group=self.group)
+        anyone = flagged < world
+        if anyone:
+            self.oom_rank = flagged
         if anyone and not oom:
             self.remote_ooms += 1
             logger.info("another rank ran out of memory; dropping this rank's gradients too")
@@ -285,8 +292,9 @@ class DistributedCoordinator(LocalCoordinator):
             RuntimeError: As :meth:`agree_oom`.
         """
         self.collectives += 1
-        agreed, who, largest, anyone = _agree_min_rank_max(int(size), group=self.group, flag=oom)
-        if anyone:
+        agreed, who, largest, flagged = _agree_min_rank_max(int(size), group=self.group, flag=oom)
+        if flagged is not None:
+            self.oom_rank = flagged
             if not oom:
                 self.remote_ooms += 1
                 logger.info("another rank ran out of memory; dropping this rank's gradients too")

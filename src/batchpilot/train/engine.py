@@ -501,7 +501,7 @@ class Engine:
                 if not oom:
                     acc = outcome.result
                     break
-                message = outcome.message or "another rank ran out of memory"
+                message = _oom_message(outcome.message, self.coordinator)
                 del outcome
                 # another rank's OOM leaves this rank's complete gradients unusable too
                 self._drop_grads()
@@ -1205,3 +1205,13 @@ def _default_coordinator(fsdp: bool = False) -> Coordinator:
         logger.info("a process group of %d ranks is running: using DistributedCoordinator()", group_size())
         return DistributedCoordinator()
     return LocalCoordinator()
+
+
+def _oom_message(local: str | None, coordinator: Any) -> str:
+    """What ran out, for this rank's log and error: with several ranks, which one (the lowest)."""
+    if coordinator.world_size <= 1:
+        return local or "out of memory"
+    if local:
+        return f"rank {coordinator.rank}: {local}"
+    who = coordinator.oom_rank
+    return "another rank ran out of memory" if who is None else f"rank {who} ran out of memory"
