@@ -76,6 +76,10 @@ logger = logging.getLogger(__name__)
 _SCALE_SHARE = 1 / 16
 #: on a figure other than exact tensor bytes, the second trial aims at this share of the room
 _SECOND_SHARE = 0.25
+#: ... or takes every real prompt left in its band when they fit in this share by the first
+#: trial's figure, which bounds a prompt's cost from above while the memory is affine in the batch
+#: with a fixed part >= 0: the band then ends in two calls instead of three
+_BAND_SHARE = 0.5
 #: a batch pads no prompt to more than this many times its length, unless by no more than
 #: max_new_tokens (whose steps cost alike): every decoding step attends over the padding too. On a
 #: 4-layer Llama on CPU (benchmarks/lm_eval_side_by_side.py) 190 prompts of 10-207 tokens in one
@@ -782,8 +786,9 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
     """:func:`fit_generation_memory` in a room already open (the generate batcher's).
 
     At each chosen prompt length, longest first: a trial at 1; one at 2 (on an emulated CPU's
-    exact bytes) or at the size the first puts at a quarter of the room; the model of every
-    trial so far; and a trial at its answer, unless that ran already. At most three per length.
+    exact bytes) or at the size the first puts at a quarter of the room (all the band's real
+    prompts left, where the first puts them within half of it); the model of every trial so far;
+    and a trial at its answer, unless that ran already or no prompt is left. At most three per length.
 
     With ``prompts`` (``{index: token ids}``, greedy decoding only) the lengths are chosen among
     the longest prompts of their bands (:func:`band_heads`), and the trials run those real
@@ -854,6 +859,9 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
                     # by the larger of the two figures: a caching allocator may reserve nothing new for one prompt
                     grew = max(1, first.peak_bytes or 0, first.tensor_peak_bytes or 0)
                     b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / grew))
+                    left = len(take(len(pending), W)) if real else 0
+                    if b2 < left <= _BAND_SHARE * room.room_bytes / grew:
+                        b2 = left
                 b2 = b2 if cap is None else min(b2, cap)
                 run(b2, W, real, fill=True)  # the line over batch sizes needs this size: made-up rows fill it
             answer = fitted().max_batch(W, N, max_batch_size=cap)
