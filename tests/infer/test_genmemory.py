@@ -220,3 +220,24 @@ def test_a_second_trial_with_too_few_real_prompts_left_is_filled_with_made_up_ro
                               max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
     assert second.outputs == (want[0, 30:].tolist(),)
     assert memory.prefill.bytes_per_sample(41) > 0
+
+
+def test_a_fresh_process_under_rlimit_as_gets_a_model_from_its_real_figure():
+    # glibc's dynamic mmap threshold kept the prefill's freed blocks mapped for the first decoding
+    # steps, so the steps' address space fell as the cache grew: no model, and a trial that ran out.
+    # The room fixes the threshold (as the finder does) before anything is measured
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "helpers" / "genmemory_fresh.py"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # glibc's default rule
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["pinned"] and "model" in out, out
+    assert out["model"]["per_token"] > 0, out
+    assert all(outcome != "oom" for _, _, outcome in out["trials"]), out

@@ -42,6 +42,7 @@ from .._checks import positive_int
 from ..find.notes import add_note
 from ..find.options import FindOptions
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
+from ..memory.host import pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import emulate_capacity, get_probe
 from ..memory.tracker import StorageTracker, active_tracker
@@ -554,6 +555,11 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
                 tr.track(model)  # the weights count from the start, not when a trial first reads them
         gauge = gauge_for(dev, emulated_capacity=emulated)
         stack.callback(gauge.close)
+        if gauge.host:
+            # as the finder does: with glibc's threshold left dynamic, the prefill's freed blocks stay
+            # mapped for the first decoding steps (a fresh process's address space sat at the
+            # prefill's level for 2-5 steps, then fell), so the steps' figures made no model
+            pin_malloc_threshold()
         if gauge.host and active_tracker(dev) is None:
             # a real host: the failing figure is measured as it is, step by step; a storage tracker
             # would cost about three times the generate it measures (one Python call per operator)
