@@ -203,3 +203,36 @@ def test_a_model_error_keeps_its_type_and_says_where(model, run):
         generate_by_length(model, [[5, 6, 7]], max_new_tokens=2, pad_token_id=PAD, capacity=CAPACITY,
                            memory=run.memory, not_an_option=1)
     assert any("in a generate batch of 1 prompts padded to 3 tokens" in note for note in info.value.__notes__)
+
+
+def test_ranks_agree_on_the_most_cautious_size_and_every_rank_takes_part_once(model, prompts, run, reference, eos):
+    # a stand-in for torch.distributed.all_gather_object: this rank, then a "rank 1" whose device holds
+    # a third of this one's room, answering from this run's own model in that smaller room
+    small = dataclasses.replace(run.memory, trials=[], limit_bytes=run.memory.start_bytes
+                                + (run.memory.limit_bytes - run.memory.start_bytes) // 3)
+    calls = []
+
+    def agree(obj):
+        calls.append(obj)
+        from batchpilot.infer.generate import _Peer
+
+        return [obj, {"id": "rank1", "peer": _Peer(small, []), "failed": None}]
+
+    agreed = generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
+                                capacity=CAPACITY, memory=run.memory, agree=agree)
+    assert list(agreed) == reference and len(calls) == 1
+    assert agreed.batches and all(b <= max(1, small.max_batch(L, N)) for b, L, N in agreed.batches)
+    plain = generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
+                               capacity=CAPACITY, memory=run.memory)
+    assert max(b for b, _, _ in agreed.batches) < max(b for b, _, _ in plain.batches)  # lowered by the peer
+    # no prompts: the rank still takes part, once; a peer's failure stops this rank too
+    calls.clear()
+    assert generate_by_length(model, [], max_new_tokens=NEW, pad_token_id=PAD, agree=agree) == [] and len(calls) == 1
+    with pytest.raises(RuntimeError, match="generation sizing failed on rank 1"):
+        generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, capacity=CAPACITY, memory=run.memory,
+                           agree=lambda obj: [obj, {"id": "x", "peer": None, "failed": "NothingFitsError: no"}])
+    # this rank's own bad input reaches the agreement before it is raised
+    calls.clear()
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate_by_length(model, [[]], max_new_tokens=NEW, pad_token_id=PAD, agree=agree)
+    assert len(calls) == 1 and calls[0]["failed"].startswith("ValueError")

@@ -135,3 +135,13 @@ def test_two_ranks_agree_and_a_rank_with_fewer_requests_never_waits(tmp_path) ->
     small = LengthBudget.from_state(ranks[1]["first_budget"])
     shared = [(size, L) for size, L, trial, _ in ranks[0]["batches"][0] if not trial and L <= small.verified_max]
     assert shared and all(size <= small.micro_batch(L) for size, L in shared)
+    # generate_until: greedy outputs equal HFLM's at batch size 1 on both ranks, in input order;
+    # rank 1 took part in the agreement of the group it has no prompts in, and rank 0 ran no batch
+    # larger than rank 1's model allows at the same shape
+    for r in ranks:
+        assert r["generated"] == r["generated_want"]
+    assert (ranks[0]["groups"], ranks[1]["groups"]) == (2, 1)
+    mine, theirs = ranks[0]["answers_at_rank0_batches"], ranks[1]["answers_at_rank0_batches"]
+    answered = [(b, own[3], a[3]) for own, a in zip(mine, theirs) if a[3] is not None for b in [own[0]]]
+    assert answered and all(b <= max(1, a) for b, _, a in answered), (mine, theirs)
+    assert any(own is not None and own > a for _, own, a in answered), (mine, theirs)  # the agreement lowered one

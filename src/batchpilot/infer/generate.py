@@ -15,8 +15,9 @@ import dataclasses
 import logging
 import numbers
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -31,6 +32,7 @@ from .genmemory import (
     GenerationMemory,
     GenerationTrial,
     MemoryRoom,
+    UnverifiedShapeError,
     band_low,
     check_token_id,
     context_length,
@@ -134,6 +136,61 @@ class _TrialSizer:
 
     def observe(self, batch_size: int, length: int, max_new_tokens: int, growth_bytes: int) -> bool:
         return False  # no model to correct
+
+
+@dataclass
+class _Peer:
+    """Another rank's sizing, asked at this rank's shapes: its model in its own room, or its fallback's trials."""
+
+    memory: GenerationMemory | None
+    ran: list[tuple[int, int, int]]  # (batch, padded prompt length, max_new_tokens) of its trials that fit
+
+    @classmethod
+    def of(cls, memory: GenerationMemory | None, trials: Sequence[GenerationTrial]) -> _Peer:
+        slim = None if memory is None else dataclasses.replace(memory, trials=[], verified=dict(memory.verified))
+        return cls(slim, [(t.batch_size, t.prompt_length, t.max_new_tokens) for t in trials if t.outcome == FIT])
+
+    def at(self, length: int, max_new_tokens: int) -> int | None:
+        """Its largest batch at this shape; ``None`` where it measured nothing as long (it does not answer)."""
+        if self.memory is not None:
+            try:
+                return max(1, self.memory.max_batch(length, max_new_tokens))
+            except UnverifiedShapeError:
+                return None
+        sizes = [b for b, P, N in self.ran if P >= length and N >= max_new_tokens]
+        return max(sizes) if sizes else None
+
+
+@dataclass
+class _AgreedSizer:
+    """This rank's sizer, lowered to any other rank's answer at the same shape: the most cautious rank's size."""
+
+    own: Any
+    peers: list[_Peer]
+    max_new_tokens: int
+
+    def __call__(self, length: int) -> int:
+        theirs = [p.at(length, self.max_new_tokens) for p in self.peers]
+        return min([self.own(length), *(b for b in theirs if b is not None)])
+
+    def note_oom(self, batch_size: int, length: int, max_new_tokens: int) -> None:
+        self.own.note_oom(batch_size, length, max_new_tokens)
+
+    def observe(self, batch_size: int, length: int, max_new_tokens: int, growth_bytes: int) -> bool:
+        return self.own.observe(batch_size, length, max_new_tokens, growth_bytes)
+
+
+def _agree(agree: Callable[[Any], list[Any]], mine: _Peer | None, error: BaseException | None) -> list[_Peer]:
+    """Every rank's sizing (or failure), once per call; the other ranks' as peers. Raises a failure on every rank."""
+    me = uuid.uuid4().hex
+    gathered = list(agree({"id": me, "peer": mine, "failed": None if error is None else f"{type(error).__name__}: {error}"}))
+    if error is not None:
+        raise error
+    failed = [(r, s["failed"]) for r, s in enumerate(gathered) if s["failed"]]
+    if failed:
+        rank, why = failed[0]
+        raise RuntimeError(f"generation sizing failed on rank {rank} ({why}); stopping this rank too")
+    return [s["peer"] for s in gathered if s["id"] != me and s["peer"] is not None]
 
 
 def _prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
@@ -327,7 +384,8 @@ def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: M
 def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                        pad_token_id: int, eos_token_id: int | Sequence[int] | None = None, target: float | None = None,
                        capacity: int | str | None = None, device: torch.device | str | int | None = None,
-                       memory: GenerationMemory | None = None, **generate_kwargs: Any) -> Generations:
+                       memory: GenerationMemory | None = None, agree: Callable[[Any], list[Any]] | None = None,
+                       **generate_kwargs: Any) -> Generations:
     """Generate for every prompt, in batches grouped by length and sized for the memory; outputs in input order.
 
     Prompts are token ids without padding. They run longest first, each batch left-padded to
@@ -357,6 +415,11 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
             device's real memory, or the caller's own ``emulate_capacity``.
         device: the device the prompts go to; default the model's.
         memory: a memory model to size by instead of fitting one.
+        agree: ``agree(obj) -> [obj of every rank]``, an all-gather over the ranks that generate
+            (``torch.distributed.all_gather_object``): after sizing, every rank's batches are
+            no larger than any other rank's model allows at the same shape. It is the call's one
+            collective, which every rank reaches once, with no prompts or a failed sizing too
+            (a failure is then raised on every rank).
         **generate_kwargs: passed to every ``generate`` call, trials included.
 
     Returns:
@@ -371,10 +434,32 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
         NothingFitsError: a single prompt does not fit.
         UnverifiedShapeError: a ``memory`` fitted on shorter prompts or fewer new tokens.
     """
+    if agree is not None and not callable(agree):
+        raise ValueError(f"agree must be a function obj -> [obj of every rank] (an all-gather), got {agree!r}")
     began = time.perf_counter()
-    rows = _prompts(prompts, _vocab_size(model))
     out = Generations()
+    reached = [False]  # whether this rank took part in the agreement (it must, exactly once)
+    try:
+        return _generate(model, prompts, out, began, reached, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                         eos_token_id=eos_token_id, target=target, capacity=capacity, device=device, memory=memory,
+                         agree=agree, generate_kwargs=generate_kwargs)
+    except Exception as exc:  # every rank must reach the agreement, failed or not
+        if agree is None or reached[0]:
+            raise
+        _agree(agree, None, exc)
+        raise
+
+
+def _generate(model: Any, prompts: Any, out: Generations, began: float, reached: list[bool], *, max_new_tokens: Any,
+              pad_token_id: int, eos_token_id: Any, target: float | None, capacity: int | str | None, device: Any,
+              memory: GenerationMemory | None, agree: Callable[[Any], list[Any]] | None,
+              generate_kwargs: dict[str, Any]) -> Generations:
+    """:func:`generate_by_length`'s work; ``reached[0]`` is set once this rank has taken part in ``agree``."""
+    rows = _prompts(prompts, _vocab_size(model))
     if not rows:
+        if agree is not None:
+            reached[0] = True
+            _agree(agree, None, None)  # takes part, bringing nothing to size by
         return out
     news = _new_tokens(max_new_tokens, len(rows))
     _check_generate_kwargs(model, generate_kwargs)
@@ -420,6 +505,11 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
             memory = dataclasses.replace(memory, verified=dict(memory.verified), trials=list(memory.trials))
             sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
         out.memory = memory
+        if agree is not None:
+            reached[0] = True
+            peers = _agree(agree, _Peer.of(memory, out.trials), None)
+            if peers:
+                sizer = _AgreedSizer(sizer, peers, longest_new)
         out.sizing_seconds = time.perf_counter() - began
         done: list[list[int] | None] = [None] * len(rows)
         for t in out.trials:  # the trials that ran real prompts to the end: those are done

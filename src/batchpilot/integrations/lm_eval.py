@@ -13,8 +13,9 @@ its registry (no entry points), so the ``lm_eval`` command needs the import firs
 the model and hands over to lm-eval's command line.
 
 Under ``accelerate launch`` (several ranks) each rank sizes for its own device and requests, then
-one all-gather per call gives every rank the most cautious rank's size at every length; nothing
-else is collective, so a rank with more requests never leaves another waiting.
+one all-gather per call (for ``generate_until``, one per ``gen_kwargs`` group any rank has, after
+one for the groups) gives every rank the most cautious rank's size at every length; nothing else
+is collective, so a rank with more requests never leaves another waiting.
 """
 
 from __future__ import annotations
@@ -210,23 +211,47 @@ class BatchpilotLM(HFLM):
                 raise ValueError(f"generate_until's gen_kwargs must be a dict, got {type(req.args[1]).__name__}")
             groups.setdefault(repr(sorted(req.args[1].items(), key=lambda kv: kv[0])), []).append(i)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        jobs = []
-        for idx in groups.values():  # every group checked before any generates
-            kwargs = normalize_gen_kwargs(copy.deepcopy(requests[idx[0]].args[1]), self.max_gen_toks)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            max_gen_toks = kwargs.pop("max_gen_toks")
-            room = self.max_length - max_gen_toks
-            if room <= 0:
-                raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for a prompt in the model's context of "
-                                 f"{self.max_length} tokens; ask for fewer new tokens (below {self.max_length})")
-            jobs.append((idx, kwargs, until, max_gen_toks, room))
+        jobs = {}
+        error: Exception | None = None
+        try:
+            for key, idx in groups.items():  # every group checked before any generates
+                kwargs = normalize_gen_kwargs(copy.deepcopy(requests[idx[0]].args[1]), self.max_gen_toks)
+                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+                max_gen_toks = kwargs.pop("max_gen_toks")
+                room = self.max_length - max_gen_toks
+                if room <= 0:
+                    raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for a prompt in the model's context "
+                                     f"of {self.max_length} tokens; ask for fewer new tokens (below {self.max_length})")
+                jobs[key] = (idx, kwargs, until, max_gen_toks, room)
+        except Exception as exc:  # with several ranks, every rank must reach the agreement on the groups
+            if self.world_size == 1:
+                raise
+            error = exc
+        order = list(jobs)
+        if self.world_size > 1:
+            # the ranks' requests differ, and so may their gen_kwargs groups: every rank runs every group
+            # any rank has, in one order (with no prompts where it has none), so that each group's one
+            # agreement pairs up
+            gathered = self._all_gather({"groups": sorted(jobs), "failed": None if error is None else repr(error)})
+            if error is not None:
+                raise error
+            failed = [(r, g["failed"]) for r, g in enumerate(gathered) if g["failed"]]
+            if failed:
+                raise RuntimeError(f"generate_until failed on rank {failed[0][0]} ({failed[0][1]}); stopping this rank too")
+            order = sorted(set().union(*(g["groups"] for g in gathered)))
         out: list[str | None] = [None] * len(requests)
         self.generations = []
-        if not jobs:
+        if not order:
             return []
         from ..infer.generate import generate_by_length  # the generation half, imported when used
 
-        for idx, kwargs, until, max_gen_toks, room in jobs:
+        agree = self._all_gather if self.world_size > 1 else None
+        for key in order:
+            if key not in jobs:  # another rank's group: take part in its agreement, generate nothing
+                generate_by_length(self.model, [], max_new_tokens=1, pad_token_id=self.tokenizer.pad_token_id,
+                                   agree=agree)
+                continue
+            idx, kwargs, until, max_gen_toks, room = jobs[key]
             # one prompt at a time, as HFLM at batch size 1: no padding, left-truncated to the room
             prompts = [self.tok_batch_encode([requests[i].args[0]], left_truncate_len=room,
                                              truncation=self.truncation)[0][0].tolist() for i in idx]
@@ -235,7 +260,8 @@ class BatchpilotLM(HFLM):
                 [max(1, max_length - len(p)) for p in prompts]
             generated = generate_by_length(
                 self.model, prompts, max_new_tokens=new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                target=self.target, capacity=self.capacity, device=self.device, **_generate_kwargs(kwargs))
+                target=self.target, capacity=self.capacity, device=self.device, agree=agree,
+                **_generate_kwargs(kwargs))
             self.generations.append(generated)
             for i, tokens in zip(idx, generated):
                 out[i] = self._finish(list(tokens), until)
