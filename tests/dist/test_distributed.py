@@ -24,7 +24,14 @@ from batchpilot.train.engine import Coordinator
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 import dist_common as dc  # noqa: E402
-from dist_launch import ROOT, assert_params_close, read_result, teardown_abort_only, torchrun  # noqa: E402
+from dist_launch import (  # noqa: E402
+    ROOT,
+    assert_params_close,
+    read_result,
+    rendezvous_lost_only,
+    teardown_abort_only,
+    torchrun,
+)
 
 WORKER = HELPERS / "dist_worker.py"
 
@@ -61,6 +68,14 @@ def test_only_gloos_teardown_abort_is_forgiven_and_only_after_the_work():
     assert teardown_abort_only(abort)
     assert not teardown_abort_only(abort + "  exitcode  : 1 (pid: 2837)\n")  # another rank failed for real
     assert not teardown_abort_only("failed (exitcode: -6) local_rank: 0")  # a SIGABRT of another kind
+    # on several nodes: the agent whose store closed under it after the other agent's abort
+    lost = ("W1204 dynamic_rendezvous.py:1298] The node 'localhost_11348_0' has failed to shutdown the rendezvous "
+            "'63684210' due to an error of type RendezvousConnectionError.\n"
+            "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed.\n")
+    assert rendezvous_lost_only(lost)
+    assert not rendezvous_lost_only(lost + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+                                    "  exitcode  : 1 (pid: 11360)\n")  # one of its own workers failed
+    assert not rendezvous_lost_only("torch.distributed.DistNetworkError: Failed to recv")  # not at shutdown
 
 
 def test_rank_helpers_read_torchrun_environment(monkeypatch):
