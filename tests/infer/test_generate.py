@@ -216,7 +216,7 @@ def test_ranks_agree_on_the_most_cautious_size_and_every_rank_takes_part_once(mo
         calls.append(obj)
         from batchpilot.infer.generate import _Peer
 
-        return [obj, {"id": "rank1", "peer": _Peer(small, []), "failed": None}]
+        return [obj, {"id": "rank1", "payload": _Peer(small, []), "failed": None}]
 
     agreed = generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
                                 capacity=CAPACITY, memory=run.memory, agree=agree)
@@ -230,7 +230,7 @@ def test_ranks_agree_on_the_most_cautious_size_and_every_rank_takes_part_once(mo
     assert generate_by_length(model, [], max_new_tokens=NEW, pad_token_id=PAD, agree=agree) == [] and len(calls) == 1
     with pytest.raises(RuntimeError, match="generation sizing failed on rank 1"):
         generate_by_length(model, prompts, max_new_tokens=NEW, pad_token_id=PAD, capacity=CAPACITY, memory=run.memory,
-                           agree=lambda obj: [obj, {"id": "x", "peer": None, "failed": "NothingFitsError: no"}])
+                           agree=lambda obj: [obj, {"id": "x", "payload": None, "failed": "NothingFitsError: no"}])
     # this rank's own bad input reaches the agreement before it is raised
     calls.clear()
     with pytest.raises(ValueError, match="prompt 0 is empty"):

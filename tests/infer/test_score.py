@@ -158,7 +158,7 @@ def test_ranks_size_each_length_by_the_most_cautious_rank(model) -> None:
 
     def agree(state):  # an all-gather over two ranks: this one and the one with less memory
         states.append(state)
-        return [state, {"id": "other", "budget": small.budget.state_dict(), "failed": None}]
+        return [state, {"id": "other", "payload": small.budget.state_dict(), "failed": None}]
 
     run = Scorer(model)
     scorer = LengthScorer(run, length=len, capacity=CAP, track=[model], agree=agree)
@@ -170,7 +170,7 @@ def test_ranks_size_each_length_by_the_most_cautious_rank(model) -> None:
     assert scorer.score([]) == [] and len(states) == 2  # a rank with nothing to score still agrees
 
     def failed(state):
-        return [state, {"id": "other", "budget": None, "failed": "NothingFitsError: ..."}]
+        return [state, {"id": "other", "payload": None, "failed": "NothingFitsError: ..."}]
 
     with pytest.raises(RuntimeError, match="sizing failed on rank 1"):
         LengthScorer(Scorer(model), length=len, capacity=CAP, agree=failed).score(requests)

@@ -5,6 +5,8 @@
 - :mod:`~batchpilot.infer.generate`: ``generate_by_length`` batches ``model.generate`` by prompt length;
 - :mod:`~batchpilot.infer.genmemory`: ``GenerationMemory``, the memory of ``generate`` over batch,
   prompt length and new tokens, fitted by ``fit_generation_memory`` from real trials.
+- :mod:`~batchpilot.infer.ranks`: the one exchange of sizes (or failures) between ranks that
+  scoring, generation and the lm-eval adapter make per call.
 
 The names are imported on first use.
 """

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import numbers
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -41,6 +40,7 @@ from .genmemory import (
     memory_room,
     model_device,
 )
+from .ranks import exchange
 
 __all__ = ["Generations", "generate_by_length"]
 
@@ -178,19 +178,6 @@ class _AgreedSizer:
 
     def observe(self, batch_size: int, length: int, max_new_tokens: int, growth_bytes: int) -> bool:
         return self.own.observe(batch_size, length, max_new_tokens, growth_bytes)
-
-
-def _agree(agree: Callable[[Any], list[Any]], mine: _Peer | None, error: BaseException | None) -> list[_Peer]:
-    """Every rank's sizing (or failure), once per call; the other ranks' as peers. Raises a failure on every rank."""
-    me = uuid.uuid4().hex
-    gathered = list(agree({"id": me, "peer": mine, "failed": None if error is None else f"{type(error).__name__}: {error}"}))
-    if error is not None:
-        raise error
-    failed = [(r, s["failed"]) for r, s in enumerate(gathered) if s["failed"]]
-    if failed:
-        rank, why = failed[0]
-        raise RuntimeError(f"generation sizing failed on rank {rank} ({why}); stopping this rank too")
-    return [s["peer"] for s in gathered if s["id"] != me and s["peer"] is not None]
 
 
 def _prompts(prompts: Any, vocab: int | None) -> list[list[int]]:
@@ -446,7 +433,7 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
     except Exception as exc:  # every rank must reach the agreement, failed or not
         if agree is None or reached[0]:
             raise
-        _agree(agree, None, exc)
+        exchange(agree, None, exc, what="generation sizing")
         raise
 
 
@@ -459,7 +446,7 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
     if not rows:
         if agree is not None:
             reached[0] = True
-            _agree(agree, None, None)  # takes part, bringing nothing to size by
+            exchange(agree, None, what="generation sizing")  # takes part, bringing nothing to size by
         return out
     news = _new_tokens(max_new_tokens, len(rows))
     _check_generate_kwargs(model, generate_kwargs)
@@ -507,7 +494,7 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
         out.memory = memory
         if agree is not None:
             reached[0] = True
-            peers = _agree(agree, _Peer.of(memory, out.trials), None)
+            peers = exchange(agree, _Peer.of(memory, out.trials), what="generation sizing")
             if peers:
                 sizer = _AgreedSizer(sizer, peers, longest_new)
         out.sizing_seconds = time.perf_counter() - began

@@ -17,7 +17,6 @@ import gc
 import logging
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 
@@ -37,6 +36,7 @@ from ..memory.units import format_bytes, resolve_device
 from ..policy.lengths import LengthBudget, LengthFit, choose_fit_lengths, fit_lengths
 from ..policy.search import BatchSizeError, NothingFitsError
 from ..policy.speed import fit_time
+from .ranks import exchange
 
 __all__ = ["ScoreBatch", "LengthScorer", "batch_end", "score_by_length"]
 
@@ -303,18 +303,8 @@ class LengthScorer(Generic[R, T]):
         self._others = []
         if self.agree is None:
             return
-        me = uuid.uuid4().hex
-        state = {"id": me, "budget": None if self.budget is None else self.budget.state_dict(),
-                 "failed": None if error is None else f"{type(error).__name__}: {error}"}
-        gathered = list(self.agree(state))
-        if error is not None:
-            raise error
-        failed = [(r, s["failed"]) for r, s in enumerate(gathered) if s["failed"]]
-        if failed:
-            rank, why = failed[0]
-            raise RuntimeError(f"sizing failed on rank {rank} ({why}); stopping this rank too")
-        self._others = [LengthBudget.from_state(s["budget"]) for s in gathered
-                        if s["id"] != me and s["budget"] is not None]
+        budget = None if self.budget is None else self.budget.state_dict()
+        self._others = [LengthBudget.from_state(b) for b in exchange(self.agree, budget, error, what="sizing")]
 
     def _size_at(self, length: int) -> int:
         """The largest batch at ``length``: this rank's budget, lowered to any other rank's that answers there."""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .._checks import positive_int
 from ..find.options import FindOptions
+from ..infer.ranks import exchange
 from ..infer.score import LengthScorer
 from ..policy.search import BatchSizeError
 from ._common import require
@@ -232,13 +233,8 @@ class BatchpilotLM(HFLM):
             # the ranks' requests differ, and so may their gen_kwargs groups: every rank runs every group
             # any rank has, in one order (with no prompts where it has none), so that each group's one
             # agreement pairs up
-            gathered = self._all_gather({"groups": sorted(jobs), "failed": None if error is None else repr(error)})
-            if error is not None:
-                raise error
-            failed = [(r, g["failed"]) for r, g in enumerate(gathered) if g["failed"]]
-            if failed:
-                raise RuntimeError(f"generate_until failed on rank {failed[0][0]} ({failed[0][1]}); stopping this rank too")
-            order = sorted(set().union(*(g["groups"] for g in gathered)))
+            others = exchange(self._all_gather, sorted(jobs), error, what="generate_until")
+            order = sorted(set(jobs).union(*others))
         out: list[str | None] = [None] * len(requests)
         self.generations = []
         if not order:
