@@ -17,7 +17,7 @@ import torch
 
 from ..core.seqbatch import length_batch_fn
 from ..policy.lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
-from ..policy.search import BatchSizeError
+from ..policy.search import BatchSizeError, least_squares_line
 from .notes import note_length_search
 from .result import BatchPlan
 
@@ -135,8 +135,4 @@ def _line(plan: BatchPlan) -> tuple[float, float]:
     if len(pts) < 3:
         assert plan.fit is not None
         return (plan.fit.fixed_bytes, plan.fit.bytes_per_sample)
-    xs = sorted(pts)
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(pts[x] for x in xs) / n
-    slope = sum((x - mx) * (pts[x] - my) for x in xs) / sum((x - mx) ** 2 for x in xs)
-    return (my - slope * mx, slope)
+    return least_squares_line(dict(sorted(pts.items())))

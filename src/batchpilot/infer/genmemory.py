@@ -48,7 +48,7 @@ from ..memory.probes import emulate_capacity, get_probe
 from ..memory.tracker import StorageTracker, active_tracker
 from ..memory.units import format_bytes, resolve_device
 from ..policy.lengths import LengthFit, check_lengths, fit_lengths
-from ..policy.search import FIT, OOM, OVER_TARGET, BatchSizeError, NothingFitsError
+from ..policy.search import FIT, OOM, OVER_TARGET, BatchSizeError, NothingFitsError, least_squares_line
 
 __all__ = [
     "GenerationFitError",
@@ -395,11 +395,7 @@ def _line(points: Mapping[int, float]) -> tuple[float, float]:
     if len(points) == 1:
         (x, y), = points.items()
         return 0.0, y / x
-    n = len(points)
-    mx = sum(points) / n
-    my = sum(points.values()) / n
-    slope = sum((x - mx) * (y - my) for x, y in points.items()) / sum((x - mx) ** 2 for x in points)
-    return my - slope * mx, slope
+    return least_squares_line(points)
 
 
 def _fit_prefill(measured: Sequence[GenerationTrial], trials: Sequence[GenerationTrial]) -> LengthFit:

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from .._checks import positive_int
+from .search import least_squares_line
 
 __all__ = ["accum_steps", "balanced_sizes", "efficient_size", "MicroBatchPolicy", "PeakFit"]
 
@@ -263,12 +264,9 @@ class PeakFit:
         """``(fixed_bytes, bytes_per_sample)`` of the increase, or ``None`` while unknown."""
         pts = self._increase
         if len(pts) >= 2:
-            n = len(pts)
-            mx, my = sum(pts) / n, sum(pts.values()) / n
-            sxx = sum((x - mx) ** 2 for x in pts)
-            slope = sum((x - mx) * (y - my) for x, y in pts.items()) / sxx
+            fixed, slope = least_squares_line(pts)
             if slope > 0:
-                return max(0.0, my - slope * mx), slope
+                return max(0.0, fixed), slope
             # no growth with the micro-batch: the peak is fixed memory (weights, optimizer state)
             return float(max(pts.values())), 0.0
         if self.prior is not None:

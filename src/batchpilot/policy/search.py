@@ -12,7 +12,7 @@ import math
 from abc import ABC, abstractmethod
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Iterable, Literal, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
 
 from .._checks import positive_int
 
@@ -37,6 +37,7 @@ __all__ = [
     "decay_batch_step",
     "bracket",
     "fit_line",
+    "least_squares_line",
     "predict_peak",
     "reclassify",
     "left_behind",
@@ -300,6 +301,14 @@ def fit_line(trials: Sequence[Trial], limit_bytes: int | None = None) -> tuple[f
         x, y = (lo, above[0]) if above else (below[-1], lo)
     slope = (pts[y] - pts[x]) / (y - x)
     return pts[x] - slope * x, slope
+
+
+def least_squares_line(points: Mapping[float, float]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``{x: y}`` (two distinct ``x`` or more)."""
+    n = len(points)
+    mx, my = sum(points) / n, sum(points.values()) / n
+    slope = sum((x - mx) * (y - my) for x, y in points.items()) / sum((x - mx) ** 2 for x in points)
+    return my - slope * mx, slope
 
 
 def predict_peak(trials: Sequence[Trial], b: int) -> int | None:
