@@ -244,8 +244,7 @@ def run_fault(out: Path, name: str, *, rank_at: int, kind: str, step: int, nth: 
 
 TABLE = (24, 48, 96, 158)  # the lengths asked; the finder and the planner fit three of them (24, 48, 158)
 # lengths neither fits, each checked at the per-rank batch the finder's budget gives it: the peaks
-# that decide a batch, near the capacity (a small batch's peak is mostly the fixed term, where one
-# collective buffer freed late on gloo's thread is 3% of it, see tracked_peak)
+# that decide a batch, near the capacity
 PEAK_LENGTHS = (40, 64, 120, 140)
 
 
@@ -256,10 +255,10 @@ def example(length: int = MAX_POSITIONS - 2, n: int = 8) -> dict[str, torch.Tens
 def tracked_peak(batch_size: int, length: int) -> tuple[int, int]:
     """The peak of two plain steps at ``(batch_size, length)`` per rank, from a fresh optimizer (every rank).
 
-    With the bytes of the largest storage gloo's worker threads freed in them: FSDP's collective
-    buffers are freed there when the work ends, before or after this thread's next allocation,
-    so the same steps peak at ``peak`` or up to ``peak + race`` from run to run (both seen: 17.8 KB
-    on 1.0 MB here). The collector is paused as the finder pauses it in its trials.
+    With the bytes of the largest counted storage freed on another thread in them: 0, since the
+    tracker runs collectives on copies (gloo's worker thread would otherwise free FSDP's collective
+    buffers when its work ends, before or after this thread's next allocation). The collector is
+    paused as the finder pauses it in its trials.
     """
     import gc
 

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
     is_traceable_wrapper_subclass_type,
 )
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..core.compiled import eager_while_tracked
 from .units import format_bytes
@@ -150,10 +150,16 @@ class StorageTracker(TorchDispatchMode):
     dispatch-level tracker. Fake tensors (``FakeTensorMode``, such as DTensor's sharding
     propagation makes at the full unsharded shape) own no memory and are never counted.
 
-    A storage freed on another thread than the one the tracker runs on (a collective's buffer
-    that gloo's worker thread drops after the wait has returned) is released when that thread
-    drops it, which races with this thread's next allocations: the peak of a step with such
-    frees is reproducible only to within :attr:`foreign_release_bytes`, the largest of them.
+    A collective (``c10d``'s operators: FSDP2's all-gathers and reduce-scatters, DDP's
+    all-reduces) runs on uncounted copies of its tensors, to completion, and its results are
+    copied back: gloo's worker thread holds a collective's tensors until it is done with the work,
+    a moment that varies from run to run, and a counted buffer it dropped last would leave the
+    count at that moment instead of when this thread let go of it, so the peak of a sharded step
+    would vary with it. Point-to-point operators and barriers run as they are (waiting on a
+    ``recv`` before the matching ``send`` could hang). A storage still freed on another thread
+    (one the code under the tracker hands to a thread of its own) races with this thread's next
+    allocations: the peak is reproducible only to within :attr:`foreign_release_bytes`, the
+    largest of them.
 
     :meth:`paused` (or :func:`untracked` for every running tracker) switches
     the counting off for a block, e.g. for copies kept in host memory that are
@@ -304,6 +310,8 @@ class StorageTracker(TorchDispatchMode):
             return NotImplemented
         if getattr(self._pause, "depth", 0):
             return func(*args, **kwargs)
+        if getattr(func, "namespace", None) == "c10d" and func.__name__.split(".")[0] not in _UNSTAGED:
+            return self._collective(func, args, kwargs)
         # tensors from outside the step (unseen, or host data seen through a view so far)
         host = [t for t in tree_flatten((args, kwargs))[0] if self._is_host(t)]
         host_keys = {id(self._storage(t)) for t in host}
@@ -341,6 +349,53 @@ class StorageTracker(TorchDispatchMode):
         if views or read:
             self._charge_host_views([*views, *read])
         return out
+
+    def _collective(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Run a collective on uncounted copies of this device's tensors to completion; copy the results back.
+
+        The copies are made inside this mode's handler, where the mode is off, so they are
+        neither counted nor limited, and nor is what the backend makes of them: whichever thread
+        frees them, the count does not move. The tensors the operator returns are the ones it
+        wrote (its outputs, in place); they go back into the caller's tensors, which only the
+        caller holds, so they leave the count when it lets go of them. The caller gets a work that
+        is already done, whose future holds its own tensors: waiting on gloo's work again would
+        run gloo's copy-out (a reduce-scatter splits a tensor of its own) under this mode.
+        """
+        from torch.distributed.distributed_c10d import Work
+
+        originals: dict[int, torch.Tensor] = {}
+
+        def stage(t: Any) -> Any:
+            if self._storage(t) is None:
+                return t
+            copy = t.clone()
+            originals[id(copy)] = t
+            return copy
+
+        def restore(t: Any) -> Any:
+            original = originals.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if original is None:
+                return t
+            original.copy_(t)
+            return original
+
+        staged_args, staged_kwargs = tree_map(stage, (args, kwargs))
+        if not originals:  # nothing on this device: the collective is not this tracker's
+            return func(*args, **kwargs)
+        out = func(*staged_args, **staged_kwargs)
+        leaves, spec = tree_flatten(out)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
+                work = Work.unbox(leaf)
+                work.wait()
+                try:
+                    value = work.get_future().value()
+                except RuntimeError:  # a work without a future
+                    value = None
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result(tree_map(restore, value))
+                leaves[i] = torch._C._distributed_c10d._create_work_from_future(done).boxed()
+        return tree_unflatten([restore(leaf) for leaf in leaves], spec)
 
     def _is_host(self, t: Any) -> bool:
         st = self._storage(t)
@@ -412,6 +467,10 @@ class StorageTracker(TorchDispatchMode):
 
 
 _ACTIVE: list[StorageTracker] = []
+
+#: ``c10d`` operators run as they are: point-to-point ones (a blocking ``recv`` issued before this
+#: rank's ``send`` would hang both) and barriers (no data)
+_UNSTAGED = frozenset({"send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_"})
 
 
 # ---------------------------------------------------------------------------
