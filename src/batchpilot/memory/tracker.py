@@ -372,11 +372,15 @@ class StorageTracker(TorchDispatchMode):
             originals[id(copy)] = t
             return copy
 
+        restored: set[int] = set()
+
         def restore(t: Any) -> Any:
             original = originals.get(id(t)) if isinstance(t, torch.Tensor) else None
             if original is None:
                 return t
-            original.copy_(t)
+            if id(t) not in restored:  # the work's future and the operator return the same tensors
+                original.copy_(t)
+                restored.add(id(t))
             return original
 
         staged_args, staged_kwargs = tree_map(stage, (args, kwargs))
