@@ -12,21 +12,21 @@ PIN    := $(VENV)/torch-constraint.txt
 
 .PHONY: venv train test test-bench bench clean
 
-# pip compiles each installed module to bytecode one file at a time (44 of its 85 s here);
-# compileall does it on every core afterwards. Some files are written for newer Pythons
-# (torch's py312_intrinsics.py) and fail to compile, as they do, silently, under pip: its exit
-# status says nothing about the install.
+# Python caches the bytecode of every module a process imports, in this venv and in the sources,
+# for the next process: PYTHONDONTWRITEBYTECODE (set on this machine) would have each of the
+# suite's many processes (torchrun ranks, fresh-process checks) compile them again. pip's own
+# compile of every installed file, one at a time, took 44 of its 85 s here; most are never imported.
+unexport PYTHONDONTWRITEBYTECODE
+
 define make_venv
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile $(TORCH)
 	echo '$(TORCH)' > $(PIN)
 endef
-COMPILE_VENV = $(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 
 $(BIN)/.installed: pyproject.toml
 	$(make_venv)
 	$(BIN)/pip install -q --no-compile -c $(PIN) -e '.[dev,cli]'
-	$(COMPILE_VENV)
 	touch $@
 
 # the tests also cover batchpilot.integrations (Lightning, Hugging Face, Accelerate). One install of
@@ -35,7 +35,6 @@ $(BIN)/.installed: pyproject.toml
 $(BIN)/.integrations: pyproject.toml
 	$(make_venv)
 	$(BIN)/pip install -q --no-compile -c $(PIN) -e '.[dev,cli,integrations]'
-	$(COMPILE_VENV)
 	touch $(BIN)/.installed $@
 
 venv: $(BIN)/.installed
@@ -49,13 +48,7 @@ JOBS ?= auto
 XDIST = -n $(JOBS) --dist loadfile
 # the benchmarks' own smoke runs (marker bench, minutes in all) run behind their own target; the
 # peers benchmark's quick runs stay in make test as the smoke run CI keeps
-# The suite starts many Python processes (torchrun ranks, fresh-process checks), each
-# importing batchpilot and the test helpers: compile them once, where PYTHONDONTWRITEBYTECODE
-# would have each process compile them again (0.2 s each)
-COMPILE_SOURCES = $(BIN)/python -m compileall -qq -j 0 src tests examples benchmarks
-
 test: $(BIN)/.integrations
-	$(COMPILE_SOURCES)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not bench" $(ARGS)
 
 test-bench: $(BIN)/.integrations
