@@ -43,10 +43,9 @@ train: venv
 	$(BIN)/batchpilot train $(ARGS)
 
 # pytest-xdist, one worker per core. --dist loadfile keeps each test file on one worker, so a
-# module-scoped fixture (one torchrun launch for a file's tests) runs once; the files go out in
-# the order tests/conftest.py gives them (LONGEST_FIRST), not xdist's own (most tests first). JOBS=0: one process.
+# module-scoped fixture (one torchrun launch for a file's tests) runs once. JOBS=0: one process.
 JOBS ?= auto
-XDIST = -n $(JOBS) --dist loadfile --no-loadscope-reorder
+XDIST = -n $(JOBS) --dist loadfile
 # the benchmarks' own smoke runs (marker bench, minutes in all) run behind their own target; the
 # peers benchmark's quick runs stay in make test as the smoke run CI keeps
 test: $(BIN)/.integrations

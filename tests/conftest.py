@@ -53,27 +53,7 @@ def pytest_runtest_teardown(item, nextitem):
     gc.freeze()
 
 
-# make test's files that take longest (seconds of their tests on the 2-core CI machine, 2026-12-04),
-# which pytest-xdist then hands out first (the Makefile turns its own order, most tests first, off):
-# most of them are few tests that each start processes, and handed out last they kept one worker
-# busy while the other had nothing left
-LONGEST_FIRST = (
-    "tests/dist/test_fsdp_lengths.py",  # 111
-    "tests/find/test_find_real.py",  # 104
-    "tests/train/test_composition.py",  # 82
-    "tests/app/test_cli.py",  # 66
-    "tests/dist/test_fsdp.py",  # 55
-    "tests/test_docs.py",  # 52
-    "tests/dist/test_multinode.py",  # 43
-    "tests/dist/test_distributed.py",  # 39
-    "tests/test_benchmarks.py",  # 38
-    "tests/infer/test_genmemory.py",  # 31
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

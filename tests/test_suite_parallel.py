@@ -70,11 +70,3 @@ def test_make_tests_workers_set_a_module_scoped_fixture_up_once(tmp_path):
 @pytest.mark.skipif(xdist_thread_share() is None, reason="only on a pytest-xdist worker (make test)")
 def test_an_xdist_worker_runs_torch_on_its_share_of_the_cores():
     assert torch.get_num_threads() == xdist_thread_share()
-
-
-def test_the_files_handed_out_first_exist():
-    # a renamed file would silently drop to its place in the collection, at the end of the run
-    from conftest import LONGEST_FIRST
-
-    missing = [path for path in LONGEST_FIRST if not (ROOT / path).is_file()]
-    assert not missing, f"tests/conftest.py's LONGEST_FIRST names files that are gone: {missing}"
