@@ -69,10 +69,3 @@ def test_the_copies_are_not_limited_by_an_emulated_capacity(gloo):
     with emulate_capacity(2 * 256 * 4, track=(inp, out)):
         dist.reduce_scatter_single(output=out, input=inp)
     assert torch.equal(out, inp)
-
-
-def test_outside_a_tracker_collectives_are_left_alone(gloo):
-    t = torch.ones(3)
-    work = dist.all_reduce(t, async_op=True)
-    work.wait()
-    assert work.get_future().value()[0] is t
