@@ -68,6 +68,13 @@ def test_only_gloos_teardown_abort_is_forgiven_and_only_after_the_work():
     assert teardown_abort_only(abort)
     assert not teardown_abort_only(abort + "  exitcode  : 1 (pid: 2837)\n")  # another rank failed for real
     assert not teardown_abort_only("failed (exitcode: -6) local_rank: 0")  # a SIGABRT of another kind
+    # the aborting rank went first: the agent stopped the other, still in its teardown, with SIGTERM
+    stopped = (abort + "W1204 api.py:1028] Sending process 5293 closing signal SIGTERM\n"
+               "  exitcode  : -15 (pid: 5293)  (SIGTERM)\n")
+    assert teardown_abort_only(stopped)
+    assert not teardown_abort_only(stopped.replace("terminate called without an active exception\n", ""))
+    assert not teardown_abort_only("  exitcode  : -15 (pid: 5293)\n")  # killed, and no abort beside it
+    assert not teardown_abort_only(stopped.replace("closing signal SIGTERM", ""))  # -15 from elsewhere
     # on several nodes: the agent whose store closed under it after the other agent's abort
     lost = ("W1204 dynamic_rendezvous.py:1298] The node 'localhost_11348_0' has failed to shutdown the rendezvous "
             "'63684210' due to an error of type RendezvousConnectionError.\n"

@@ -109,9 +109,14 @@ def teardown_abort_only(stderr: str) -> bool:
 
     A finished rank's interpreter teardown now and then dies with "terminate called without an
     active exception" (SIGABRT, exit -6) with every DDP object gone; nothing else exits -6 here.
+    When that rank dies first, torchrun's agent sends the ranks still tearing down SIGTERM
+    ("closing signal SIGTERM", exit -15): those were stopped by the agent, not failed by
+    themselves. At least one rank must show the abort; any other exit code is a real failure.
     """
-    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
-    return "terminate called without an active exception" in stderr and bool(codes) and set(codes) == {-6}
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)}
+    stopped = {-15} if "closing signal SIGTERM" in stderr else set()
+    return ("terminate called without an active exception" in stderr and -6 in codes
+            and codes <= {-6} | stopped)
 
 
 def rendezvous_lost_only(stderr: str) -> bool:
