@@ -246,6 +246,30 @@ def test_a_float64_model_trains_exactly_with_accumulation(noise):
     assert_params_close(params(model), ref, rtol=1e-12, atol=1e-12)
 
 
+def test_a_float64_model_with_a_sum_and_count_loss_is_divided_by_the_count_in_float64():
+    """A (sum, count) loss whose count is a tensor: the gradients are divided by the global count once; that
+    factor, an integer division, came out in float32 and rounded float64 updates at 1e-8."""
+    def sum_count(m, b):
+        x, y = b
+        return nn.functional.cross_entropy(m(x), y, reduction="sum"), (y != -100).sum()
+
+    model, opt = make("mlp")
+    model.double()
+    # a quarter of the labels ignored: 22 of 30 count, and 30 / 22 is no float32
+    data = [(x.double(), y.index_fill(0, torch.arange(0, 30, 4), -100)) for x, y in batches(model, 30, 3)]
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    ref = params(model)
+    model, opt = make("mlp")
+    model.double()
+    eng = Engine(model, opt, sum_count, global_batch_size=30, micro_batch_size=7)
+    for b in data:
+        eng.step(b)
+    assert_params_close(params(model), ref, rtol=1e-12, atol=1e-12)
+
+
 def test_fp16_scaler_skips_inf_steps_and_checkpoints():
     model, opt = make("mlp")
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

@@ -1050,7 +1050,9 @@ class Engine:
                 return None, "empty"
             grads = [p.grad for p in self._params if p.grad is not None]
             # DDP averaged over ranks; world × N / total undoes that and divides by the global count.
-            factor = self._world * self._per_rank / total
+            # In float64: an integer count divided in the default dtype is a float32 factor, which
+            # rounds a float64 model's gradients at 1e-8
+            factor = self._world * self._per_rank / (total.double() if isinstance(total, torch.Tensor) else total)
             if grads:
                 if isinstance(factor, torch.Tensor):
                     factor = factor.to(grads[0].device)
