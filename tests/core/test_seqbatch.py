@@ -59,3 +59,17 @@ def test_length_fn_reads_the_users_batch_also_when_given_the_engines_splitter() 
     assert padded_length(BatchSplitter(batch), length_fn=longest) == 7
     assert padded_length(batch, length_fn=longest) == 7
     assert seen == [list, list]
+
+
+def test_a_dict_batch_without_a_mask_is_as_long_as_its_input_ids_or_labels() -> None:
+    ids = _ids(6)
+    assert padded_length({"input_ids": ids, "labels": ids.clone()}) == 6
+    assert padded_length({"labels": _ids(5)}) == 5
+    assert padded_length({"input_ids": ids, "attention_mask": torch.ones(3, 4)}) == 4  # the mask first
+    assert padded_length(BatchSplitter({"input_ids": ids})) == 6
+
+
+@pytest.mark.parametrize("batch", [(_ids(4), _ids(4)), {"x": _ids(4)}, {"input_ids": torch.arange(3)}])
+def test_a_batch_with_no_length_to_read_asks_for_seq_dim_or_length_fn(batch) -> None:
+    with pytest.raises(ValueError, match="declare seq_dim= .* or pass length_fn="):
+        padded_length(batch)

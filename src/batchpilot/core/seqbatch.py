@@ -2,7 +2,7 @@
 
 The padded length of a batch comes from, in order: a user's ``length_fn(batch)``, the size of
 a declared sequence dimension (``seq_dim``, on every per-sample tensor that has it), or the
-width of a Hugging Face ``attention_mask``. Trimming narrows every per-sample tensor whose
+width of a Hugging Face dict batch (its ``attention_mask``, else its ``input_ids``, else its ``labels``). Trimming narrows every per-sample tensor whose
 size on ``seq_dim`` is the padded length, so labels of another shape pass through. A sample's
 real length comes from the ``attention_mask``, or from ``labels`` of -100 at the pads.
 """
@@ -39,7 +39,8 @@ def padded_length(batch: Any, *, seq_dim: int | None = None, length_fn: LengthFn
     Raises:
         ValueError: ``length_fn`` returned something other than a positive int; ``seq_dim``
             is declared but no per-sample tensor has that dimension (the message lists the
-            shapes); neither is given and the batch is not a dict with an ``attention_mask``.
+            shapes); neither is given and the batch is not a dict with a 2-D ``attention_mask``,
+            ``input_ids`` or ``labels``.
     """
     if length_fn is not None:
         # the user's function reads the user's batch, never the engine's splitter around it
@@ -59,13 +60,18 @@ def padded_length(batch: Any, *, seq_dim: int | None = None, length_fn: LengthFn
             )
         return positive_int("the padded length", max(int(t.shape[seq_dim]) for t in found))
     raw = batch.batch if isinstance(batch, BatchSplitter) else batch
-    mask = raw.get("attention_mask") if isinstance(raw, Mapping) else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        raise ValueError(
-            "cannot tell the batch's sequence length: it is not a dict with a (batch, length) attention_mask; "
-            "declare seq_dim= (the dim that holds the tokens, e.g. 1) or pass length_fn=lambda batch: <length>"
-        )
-    return positive_int("the attention_mask's width", int(mask.shape[1]))
+    for key in _WIDTH_KEYS:
+        t = raw.get(key) if isinstance(raw, Mapping) else None
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            return positive_int(f"the {key}'s width", int(t.shape[1]))
+    raise ValueError(
+        "cannot tell the batch's sequence length: it is not a dict with a (batch, length) attention_mask, input_ids "
+        "or labels; declare seq_dim= (the dim that holds the tokens, e.g. 1) or pass length_fn=lambda batch: <length>"
+    )
+
+
+#: the keys of a Hugging Face dict batch that are (batch, length), in the order they are read
+_WIDTH_KEYS = ("attention_mask", "input_ids", "labels")
 
 
 def trim_batch(batch: Any, length: int, *, seq_dim: int = 1, width: int | None = None,
