@@ -562,6 +562,8 @@ class _TrialRunner:
         self._model = model and breakdown
         self._timelines: dict[int, tuple[list[int], list[int]]] = {}
         self._first_step: TensorModel | None = None
+        # per recorded size: the tensor bytes one step hands the next (host data views aside)
+        self._carried: dict[int, int] = {}
 
     def modelled(self, space: SearchSpace, trial: Trial) -> SearchSpace:
         """``space`` with the tensor model once two small trials gave one; without it once a trial contradicts it."""
@@ -603,7 +605,7 @@ class _TrialRunner:
         if onednn and not torch.backends.mkldnn.enabled:
             # oneDNN ran out of memory and was turned off (memory.oom.recover_onednn): from now on
             # other kernels run, with memory of their own, and nothing measured so far holds
-            self._model, self._timelines, self._first_step = self.breakdown, {}, None
+            self._model, self._timelines, self._first_step, self._carried = self.breakdown, {}, None, {}
             raise _ProgramChanged(trial)
         return trial
 
@@ -708,12 +710,25 @@ class _TrialRunner:
     def _host_steps(self, batch_size: int, one_step: Callable[[], None], holder: list[Any], times: list[float],
                     read: Callable[[], float], record: bool) -> None:
         """A trial's steps on a host: the first under a tracker (its tensor peak, the model's check),
-        the rest as they run in training, timed; the first two sizes record both steps' timelines."""
+        the rest as they run in training, timed; the first two sizes record both steps' timelines.
+        Once those two show a step's state does not grow with the batch, a trial's first step runs
+        at the smaller of them, untracked (:meth:`_warm_size`)."""
+        warm = None if record else self._warm_size(batch_size)
+        if warm is not None:
+            # untracked: the peak is the kernel's figure, and the steps at batch_size are timed
+            _user_step(self.step, warm)
+            holder.extend([None, self._steady_bytes()])
+            for _ in range(self.steps - 1):
+                times.append(timed(one_step, self.gauge.synchronize, read))
+            self._time_steps(times, one_step, False, read)
+            return
         lines: list[list[int]] = []
         with track_peak(self.device, track=self.targets) as m:
             tracker = active_tracker(self.device)
             holder.append(m)
             for i in range(self.steps if record else 1):
+                if record and i == self.steps - 1:
+                    self._carried[batch_size] = tracker.live - tracker.host_view_bytes
                 with tracker.recording() as timeline:
                     one_step()
                 lines.append(timeline)
@@ -726,6 +741,23 @@ class _TrialRunner:
         if record and lines:
             self._timelines[batch_size] = (lines[0], lines[-1])
         self._time_steps(times, one_step, False, read)
+
+    def _warm_size(self, batch_size: int) -> int | None:
+        """A size already run whose one step leaves the state a step at ``batch_size`` starts from; or ``None``.
+
+        A trial's first step creates what a step creates once (an optimizer's moments, lazily
+        built buffers); its later steps show the steady state that training runs in, and the
+        peak that matters. When the two recorded sizes carried the same tensor bytes from one
+        step into the next (nothing that grows with the batch outlives a step) and their
+        timelines aligned (the same program at both), one step at the smaller leaves that state
+        as a step at ``batch_size`` would: the trial's later steps then run at ``batch_size``
+        after it, one large step fewer per trial -- most of a search's cost on a host.
+        """
+        if self.steps < 2 or self._first_step is None or not self._model or len(self._carried) < 2:
+            return None
+        if len(set(self._carried.values())) != 1:
+            return None  # a step keeps something that grows with the batch: only steps at this size show it
+        return min(self._carried)
 
     def retime(self, batch_size: int) -> float | None:
         """A warm-up step and ``timed_steps`` timed ones at a size that fitted; the fastest, or ``None``.

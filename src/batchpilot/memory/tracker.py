@@ -100,6 +100,11 @@ class StorageLedger:
         if old is None or covered > old:
             self.charge(st, covered)
 
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes charged for partial storages (host data seen through views)."""
+        return sum(self._sizes.get(key, 0) for key in self._partial)
+
     def forget_partial(self) -> int:
         """Drop every partial storage from the ledger (no release is heard); the bytes dropped."""
         freed = 0
@@ -194,6 +199,12 @@ class StorageTracker(TorchDispatchMode):
     def peak(self) -> int:
         """The most :attr:`live` has been since the start or :meth:`reset_peak`."""
         return self._ledger.peak
+
+    @property
+    def host_view_bytes(self) -> int:
+        """The part of :attr:`live` that is host data seen through views (see :meth:`forget_host_views`)."""
+        with self._lock:
+            return self._ledger.partial_bytes
 
     def _released(self, key: int, nbytes: int) -> None:
         if threading.get_ident() == self._home:
