@@ -81,6 +81,8 @@ MiB = 2**20
 MALLOC_SETTINGS = ("fixed", "dynamic")
 TRUTH_CACHE = CACHE_DIR / "peers_truth.json"
 TRUTH_STEPS = 2
+#: Lightning's own default for ``scale_batch_size(max_val=...)``
+LIGHTNING_MAX_VAL = 8192
 # Bump when the harness changes what a probe allocates (data pipeline, warm-up): cached truths then expire.
 HARNESS_VERSION = 4
 BATCHPILOT = ("batchpilot-predict", "batchpilot-power", "batchpilot-binsearch")
@@ -350,7 +352,7 @@ def _lightning(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str,
     t0 = time.perf_counter()
     found, outcome = None, "ok"
     try:
-        found = Tuner(tuner_trainer).scale_batch_size(module, mode=mode)
+        found = Tuner(tuner_trainer).scale_batch_size(module, mode=mode, max_val=spec.get("max_val", LIGHTNING_MAX_VAL))
     except BaseException as exc:  # reported as the row's outcome, never hidden
         outcome = _crashed(exc)
     seconds = time.perf_counter() - t0
@@ -615,9 +617,9 @@ def _trial_kind(kinds: set[str]) -> str:
 
 
 def measure(method: str, model: str, setting: Setting, truth: int, *, target: float = 1.0,
-            start_factor: float = 4.0, timeout: float = 900) -> dict[str, Any]:
+            start_factor: float = 4.0, max_val: int = LIGHTNING_MAX_VAL, timeout: float = 900) -> dict[str, Any]:
     spec = {"kind": "measure", "method": method, "model": model, "setting": asdict(setting),
-            "target": target, "start": max(2, int(start_factor * truth))}
+            "target": target, "start": max(2, int(start_factor * truth)), "max_val": max_val}
     journal = None
     if setting.container_mib:
         fd, name = tempfile.mkstemp(prefix="bp-peers-", suffix=".jsonl")
@@ -737,7 +739,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         model_rows = []
         for method in methods:
             print(f"[{model}] {method} ...", flush=True)
-            row = measure(method, model, setting, tm, target=args.target, start_factor=args.accelerate_start)
+            row = measure(method, model, setting, tm, target=args.target, start_factor=args.accelerate_start,
+                          max_val=args.lightning_max_val)
             model_rows.append(row)
         _ratios(model_rows)
         rows += model_rows
@@ -748,6 +751,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "machine": machine(),
         **asdict(setting),
         "target": args.target,
+        "lightning_max_val": args.lightning_max_val,
         "truth": truth,
         "rows": rows,
         "seconds": time.perf_counter() - t0,
@@ -770,6 +774,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=1.0,
                    help="batchpilot's target fraction of the capacity where the method name gives none (default 1.0)")
     p.add_argument("--accelerate-start", type=float, default=4.0, help="accelerate's starting batch, x true max (default 4)")
+    p.add_argument("--lightning-max-val", type=int, default=LIGHTNING_MAX_VAL,
+                   help=f"Lightning's max_val: its doubling stops there and returns it untried (default "
+                        f"{LIGHTNING_MAX_VAL}, Lightning's own); raise it for a search that reaches a large boundary")
     p.add_argument("--malloc", type=lambda s: s.split(","), default=["fixed"],
                    help="glibc mmap threshold: fixed at 128 KiB (default), dynamic (glibc's history-dependent "
                         "default), or fixed,dynamic: both, each in a process of its own, one table keyed by it")
@@ -863,7 +870,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'on' if result['conv_backends'] else 'off'}, torch {result['machine']['torch']}, {result['date']}")
     else:
         print(f"peers: cap {result['cap_mib']} MiB of address space per process (RLIMIT_AS), "
-              f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, torch {result['machine']['torch']}, {result['date']}")
+              f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, "
+              f"Lightning max_val {result.get('lightning_max_val', LIGHTNING_MAX_VAL)}, torch {result['machine']['torch']}, {result['date']}")
     print("true max: " + _truth_text(result))
     print(table(result["rows"], container=bool(result["container_mib"])))
     print(f"total {result['seconds']:.0f} s")
