@@ -17,7 +17,9 @@ Methods (the peers are the installed packages, run as themselves):
   must find the real limit itself, from the allocator's errors.
 - ``lightning-power`` / ``lightning-binsearch``: ``Tuner.scale_batch_size`` with its
   defaults (``init_val=2``, ``steps_per_trial=3``, ``max_trials=25``, ``margin=0.05``,
-  ``max_val=8192``) on a LightningModule wrapping the same model, optimizer and data.
+  ``max_val=8192``) on a LightningModule wrapping the same model, optimizer and data. Lightning
+  2.6.6's power mode never goes past 8192, whatever ``max_val`` says: it doubles through
+  ``_adjust_batch_size`` without passing ``max_val`` on, whose default caps at 8192.
 - ``accelerate``: ``find_executable_batch_size`` from 4x the true max (x0.9 per OOM).
 
 "True max" is the largest batch that trains 2 steps (forward, backward, Adam) under the
@@ -81,8 +83,6 @@ MiB = 2**20
 MALLOC_SETTINGS = ("fixed", "dynamic")
 TRUTH_CACHE = CACHE_DIR / "peers_truth.json"
 TRUTH_STEPS = 2
-#: Lightning's own default for ``scale_batch_size(max_val=...)``
-LIGHTNING_MAX_VAL = 8192
 # Bump when the harness changes what a probe allocates (data pipeline, warm-up): cached truths then expire.
 HARNESS_VERSION = 4
 BATCHPILOT = ("batchpilot-predict", "batchpilot-power", "batchpilot-binsearch")
@@ -352,7 +352,7 @@ def _lightning(w: Workload, setting: Setting, spec: dict[str, Any]) -> dict[str,
     t0 = time.perf_counter()
     found, outcome = None, "ok"
     try:
-        found = Tuner(tuner_trainer).scale_batch_size(module, mode=mode, max_val=spec.get("max_val", LIGHTNING_MAX_VAL))
+        found = Tuner(tuner_trainer).scale_batch_size(module, mode=mode)
     except BaseException as exc:  # reported as the row's outcome, never hidden
         outcome = _crashed(exc)
     seconds = time.perf_counter() - t0
@@ -617,9 +617,9 @@ def _trial_kind(kinds: set[str]) -> str:
 
 
 def measure(method: str, model: str, setting: Setting, truth: int, *, target: float = 1.0,
-            start_factor: float = 4.0, max_val: int = LIGHTNING_MAX_VAL, timeout: float = 900) -> dict[str, Any]:
+            start_factor: float = 4.0, timeout: float = 900) -> dict[str, Any]:
     spec = {"kind": "measure", "method": method, "model": model, "setting": asdict(setting),
-            "target": target, "start": max(2, int(start_factor * truth)), "max_val": max_val}
+            "target": target, "start": max(2, int(start_factor * truth))}
     journal = None
     if setting.container_mib:
         fd, name = tempfile.mkstemp(prefix="bp-peers-", suffix=".jsonl")
@@ -654,7 +654,10 @@ def measure(method: str, model: str, setting: Setting, truth: int, *, target: fl
         row.update(killed=killed, cgroup=cg)
     runs = row.get("runs")
     if runs is not None:
-        row["trials"] = len(runs)
+        # the finder's own count where it reports one: its runs of the step include the one small step
+        # a trial makes the lazily created state with (docs/real-memory.md), which is no trial of its own
+        finder = row.get("finder") or {}
+        row["trials"] = finder["num_trials"] if finder.get("num_trials") is not None else len(runs)
         row["ooms"] = sum(kind == "oom" for _, kind in runs)
         if method.startswith("batchpilot"):
             row["emulated"] = sum(kind == "emulated_oom" for _, kind in runs)
@@ -739,8 +742,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         model_rows = []
         for method in methods:
             print(f"[{model}] {method} ...", flush=True)
-            row = measure(method, model, setting, tm, target=args.target, start_factor=args.accelerate_start,
-                          max_val=args.lightning_max_val)
+            row = measure(method, model, setting, tm, target=args.target, start_factor=args.accelerate_start)
             model_rows.append(row)
         _ratios(model_rows)
         rows += model_rows
@@ -751,7 +753,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "machine": machine(),
         **asdict(setting),
         "target": args.target,
-        "lightning_max_val": args.lightning_max_val,
         "truth": truth,
         "rows": rows,
         "seconds": time.perf_counter() - t0,
@@ -774,9 +775,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=1.0,
                    help="batchpilot's target fraction of the capacity where the method name gives none (default 1.0)")
     p.add_argument("--accelerate-start", type=float, default=4.0, help="accelerate's starting batch, x true max (default 4)")
-    p.add_argument("--lightning-max-val", type=int, default=LIGHTNING_MAX_VAL,
-                   help=f"Lightning's max_val: its doubling stops there and returns it untried (default "
-                        f"{LIGHTNING_MAX_VAL}, Lightning's own); raise it for a search that reaches a large boundary")
     p.add_argument("--malloc", type=lambda s: s.split(","), default=["fixed"],
                    help="glibc mmap threshold: fixed at 128 KiB (default), dynamic (glibc's history-dependent "
                         "default), or fixed,dynamic: both, each in a process of its own, one table keyed by it")
@@ -870,8 +868,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'on' if result['conv_backends'] else 'off'}, torch {result['machine']['torch']}, {result['date']}")
     else:
         print(f"peers: cap {result['cap_mib']} MiB of address space per process (RLIMIT_AS), "
-              f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, "
-              f"Lightning max_val {result.get('lightning_max_val', LIGHTNING_MAX_VAL)}, torch {result['machine']['torch']}, {result['date']}")
+              f"malloc {result['malloc']}, oneDNN/NNPACK {'on' if result['conv_backends'] else 'off'}, batchpilot target {result['target']}, torch {result['machine']['torch']}, {result['date']}")
     print("true max: " + _truth_text(result))
     print(table(result["rows"], container=bool(result["container_mib"])))
     print(f"total {result['seconds']:.0f} s")
