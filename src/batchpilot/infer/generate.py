@@ -67,7 +67,8 @@ class Generations(list):
         memory: the memory model the batches were sized by (``None``: the fit was refused and
             the batches were sized by the trials that ran, see ``sized_by``).
         sized_by: ``"model"``, ``"trials"`` (a refused fit's fallback) or ``"none"`` (no prompt).
-        trials: the sizing trials (real ``generate`` calls on made-up prompts).
+        trials: the sizing trials (real ``generate`` calls; under greedy decoding on the real prompts,
+            whose outputs are kept).
         batches: ``(batch size, padded length, max_new_tokens)`` of every batch that completed, in order.
         ooms: batches that ran out of memory and were split (after sizing).
         sizing_seconds: the trials' wall time; ``seconds``: the whole call's.
