@@ -49,6 +49,9 @@ KNOWN = (
     Script("lengths_ddp", quick=("--quick", "--capacity", "400KiB")),
     Script("lm_eval_side_by_side", quick=("--quick",)),
     Script("continuous_batching", quick=("--quick",)),
+    Script("rl_fsdp", quick=("--quick",)),
+    Script("fsdp_faults", quick=("--launches", "2")),
+    Script("fsdp_length_model"),
 )
 
 

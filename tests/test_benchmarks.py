@@ -553,6 +553,19 @@ def test_fsdp_faults_two_launches_pass(tmp_path):
 
 
 @pytest.mark.bench
+def test_fsdp_length_model_tables_both_models_against_every_ranks_peak(tmp_path):
+    """benchmarks/fsdp_length_model.py: the finder's and the planner's world-2 models against the real
+    2-rank peak at four lengths neither fitted, on both ranks, within the issue's 2%."""
+    out = tmp_path / "model.json"
+    proc = run_script("fsdp_length_model.py", "--json", str(out), timeout=400)
+    assert "finder's model" in proc.stdout and "planner's model" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert {r["rank"] for r in doc["rows"]} == {0, 1} and len(doc["rows"]) == 8
+    assert all(r["length"] not in doc["fitted"]["finder"] for r in doc["rows"])
+    assert all(abs(r[k]) <= 0.02 for r in doc["rows"] for k in ("finder_error", "planner_error")), doc["rows"]
+
+
+@pytest.mark.bench
 def test_lengths_quick_prints_the_three_arms(tmp_path):
     """benchmarks/lengths.py --quick: no OOM after step 1, exact parameters, the model's memory used (speed not asserted)."""
     out = tmp_path / "lengths.json"
