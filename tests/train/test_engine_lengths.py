@@ -379,3 +379,31 @@ def test_beyond_error_names_the_longest_length_that_ran_before_a_longer_one(held
     assert "Cut batches to at most 64 tokens (the longest length that ran" in message
     assert "if the model takes 80 tokens, find with lengths up to 80" in message
     assert message.index("Cut batches") < message.index("find with lengths")
+
+
+def test_a_float64_batch_that_fits_whole_at_every_first_length_still_gets_a_model_and_trains_exactly() -> None:
+    """8 samples of a float64 model fit whole at the first batch's length, its half and its quarter: each
+    search stops at the per-rank batch, whose one micro-batch holds no gradients from an earlier one and
+    peaked under the 7 + 1 below it. The lines come from the sizes that accumulate; longer batches are
+    then sized by them (this raised 'measured fewer than two memory lines' on the first step)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=48, heads=2, layers=1, max_len=128).double()
+    g = torch.Generator().manual_seed(3)
+    batches = [padded_lm_batch([w] + torch.randint(1, w + 1, (7,), generator=g).tolist(), vocab=64, generator=g)
+               for w in (24, 64, 120)]
+    expected = copy.deepcopy(model)
+    ref = torch.optim.SGD(expected.parameters(), lr=0.1)
+    for batch in batches:
+        ref.zero_grad(set_to_none=True)
+        total, count = lm_loss(expected, batch)
+        (total / count).backward()
+        ref.step()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, global_batch_size=8,
+                    lengths=LengthConfig(), config=EngineConfig(capacity="4MiB"))
+    with emulate_capacity("4MiB"):
+        results = [engine.step(b) for b in batches]
+    assert [r.ooms for r in results] == [0, 0, 0]
+    assert results[0].micro_batch_size == 8 and results[-1].micro_batch_size < 8  # the longest is sized by the model
+    assert all(r.peak_bytes <= engine.lengths.budget.limit_bytes for r in results)
+    for p, q in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)

@@ -96,6 +96,28 @@ class LengthConfig:
         return None if self.length_fn is not None else 1
 
 
+
+def accumulating_line(plan: BatchPlan) -> tuple[float, float] | None:
+    """``(fixed, per_sample)`` of an engine search at one length, for micro-batches that accumulate.
+
+    A trial at micro-batch ``b`` runs the whole per-rank batch in micro-batches of ``b``. At the
+    per-rank batch itself it runs one, which holds no gradients from an earlier micro-batch, so it
+    peaks lower than the line of the smaller sizes -- under the size below it, for a float64 model
+    at 8 samples (its 7 + 1 held a copy of the gradients). When the search stopped there (the whole
+    batch fits), the line is the one through the two largest measured sizes below it, the regime
+    a model sizes micro-batches in; otherwise the search's own line. ``None`` when neither rises.
+    """
+    fit = plan.fit
+    line = None if fit is None or fit.bytes_per_sample <= 0 else (float(fit.fixed_bytes), float(fit.bytes_per_sample))
+    if plan.stop_reason != "max_batch_size":
+        return line
+    below = {t.batch_size: float(t.peak_bytes) for t in plan.trials if t.measured and t.batch_size < plan.batch_size}
+    if len(below) < 2:
+        return line
+    x, y = sorted(below)[-2:]
+    slope = (below[y] - below[x]) / (y - x)
+    return line if slope <= 0 else (below[x] - slope * x, slope)
+
 @dataclass(frozen=True)
 class LengthStep:
     """What :meth:`LengthSizer.size_step` decided for a step; the engine applies it.
@@ -298,9 +320,7 @@ class LengthSizer:
             note_length_search(exc, L, ran)
             raise
         if self._owner:
-            line = None
-            if plan.fit is not None and plan.fit.bytes_per_sample > 0:
-                line = (float(plan.fit.fixed_bytes), float(plan.fit.bytes_per_sample))
+            line = accumulating_line(plan)
             self._emit(("search", L, line, int(plan.largest_fitting or plan.batch_size), int(plan.limit_bytes),
                         plan.stop_reason == "max_batch_size"))
 
