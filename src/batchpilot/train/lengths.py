@@ -97,7 +97,7 @@ class LengthConfig:
 
 
 
-def accumulating_line(plan: BatchPlan) -> tuple[float, float] | None:
+def _accumulating_line(plan: BatchPlan) -> tuple[float, float] | None:
     """``(fixed, per_sample)`` of an engine search at one length, for micro-batches that accumulate.
 
     A trial at micro-batch ``b`` runs the whole per-rank batch in micro-batches of ``b``. At the
@@ -320,7 +320,7 @@ class LengthSizer:
             note_length_search(exc, L, ran)
             raise
         if self._owner:
-            line = accumulating_line(plan)
+            line = _accumulating_line(plan)
             self._emit(("search", L, line, int(plan.largest_fitting or plan.batch_size), int(plan.limit_bytes),
                         plan.stop_reason == "max_batch_size"))
 
