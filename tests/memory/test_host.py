@@ -114,3 +114,24 @@ def test_pinning_is_left_to_an_environment_that_already_fixes_the_threshold():
             "print(pin_malloc_threshold(), malloc_threshold_pinned())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("environ, fixed", [
+    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=65536"}, True),
+    ({}, False),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, False),
+])
+def test_the_environment_fixes_the_threshold_by_either_of_glibcs_spellings(environ, fixed):
+    from batchpilot.memory.host import _env_fixes_threshold
+
+    assert _env_fixes_threshold(environ) is fixed
+
+
+def test_a_threshold_set_through_glibc_tunables_is_left_as_the_user_set_it():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=65536"  # the modern spelling: no dynamic rule either
+    code = ("from batchpilot.memory.host import pin_malloc_threshold, malloc_threshold_pinned\n"
+            "print(pin_malloc_threshold(), malloc_threshold_pinned())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "True"]

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,8 +327,18 @@ def _glibc() -> ctypes.CDLL | None:
 
 def malloc_threshold_pinned() -> bool:
     """True when glibc's mmap threshold is fixed in this process (by :func:`pin_malloc_threshold`
-    or by ``MALLOC_MMAP_THRESHOLD_`` in the environment), so freed large blocks leave the address space."""
-    return bool(_pinned) or "MALLOC_MMAP_THRESHOLD_" in os.environ
+    or by the environment), so freed large blocks leave the address space."""
+    return bool(_pinned) or _env_fixes_threshold()
+
+
+def _env_fixes_threshold(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment sets glibc's mmap threshold, which turns its dynamic rule off for good:
+    ``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``."""
+    env = os.environ if environ is None else environ
+    if "MALLOC_MMAP_THRESHOLD_" in env:
+        return True
+    return any(item.partition("=")[0].strip() == "glibc.malloc.mmap_threshold"
+               for item in env.get("GLIBC_TUNABLES", "").split(":"))
 
 
 def pin_malloc_threshold() -> bool:
@@ -341,11 +352,12 @@ def pin_malloc_threshold() -> bool:
     before it -- a batch-size search does not change what the batch it answers needs. glibc
     offers no way back to the dynamic threshold (``mallopt`` turns it off for good), so the
     process keeps this setting. A no-op off glibc and where the environment already fixes the
-    threshold (``MALLOC_MMAP_THRESHOLD_``); freed heap is trimmed either way.
+    threshold (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in
+    ``GLIBC_TUNABLES``); freed heap is trimmed either way.
     """
     global _pinned
     lib = _glibc()
-    if _pinned is not None or lib is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if _pinned is not None or lib is None or _env_fixes_threshold():
         trim_host_memory()
         return False
     # the trim threshold too: the dynamic rule raised it with the mmap threshold
