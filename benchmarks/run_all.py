@@ -52,6 +52,7 @@ KNOWN = (
     Script("rl_fsdp", quick=("--quick",)),
     Script("fsdp_faults", quick=("--launches", "2")),
     Script("fsdp_length_model"),
+    Script("left_behind", quick=("--models", "transformer", "--cap-mib", "256")),
 )
 
 

@@ -553,6 +553,18 @@ def test_fsdp_faults_two_launches_pass(tmp_path):
 
 
 @pytest.mark.bench
+def test_left_behind_reports_what_a_search_leaves_under_both_glibc_settings(tmp_path):
+    """benchmarks/left_behind.py on the transformer: a row per glibc setting, each search answered, and
+    what is left afterwards is a few MiB of the 256 (the threshold fixed in both)."""
+    out = tmp_path / "left.json"
+    proc = run_script("left_behind.py", "--models", "transformer", "--cap-mib", "256", "--json", str(out), timeout=400)
+    assert "address space after" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["malloc"] for r in rows] == ["fixed", "dynamic"]
+    assert all(r["answer"] > 0 and len(r["left"]) == r["trials"] and r["vm"] < 32 * 2**20 for r in rows), rows
+
+
+@pytest.mark.bench
 def test_fsdp_length_model_tables_both_models_against_every_ranks_peak(tmp_path):
     """benchmarks/fsdp_length_model.py: the finder's and the planner's world-2 models against the real
     2-rank peak at four lengths neither fitted, on both ranks, within the issue's 2%."""
