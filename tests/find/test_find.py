@@ -666,8 +666,9 @@ def test_a_trial_predicted_past_a_killing_limit_is_refused_and_never_run():
 # a host's real memory: what a trial runs at the large sizes
 
 
-def _host_search(keep: list | None = None) -> tuple[list[int], BatchPlan]:
-    """A search on this process's real memory (no cap: the resident set against the RAM), up to batch 48."""
+def _host_search(keep: list | None = None, peak_at: int = 48) -> tuple[list[int], BatchPlan, int]:
+    """A search on this process's real memory (no cap: the resident set against the RAM), up to batch 48:
+    the step's calls, the plan, and the tracked peak of two plain steps at ``peak_at`` afterwards."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -684,11 +685,15 @@ def _host_search(keep: list | None = None) -> tuple[list[int], BatchPlan]:
             keep[:] = [out.detach()]  # the step keeps its output alive into the next one
 
     plan = find_batch_size(step, device="cpu", restore=(model, opt), max_batch_size=48)
-    return calls, plan
+    searched = list(calls)
+    with track_peak("cpu", track=(model, opt)) as m:
+        step(peak_at)
+        step(peak_at)
+    return searched, plan, m.peak_bytes
 
 
 def test_after_the_two_recorded_sizes_a_trial_starts_with_one_step_at_the_smaller_and_then_runs_the_large_one():
-    calls, plan = _host_search()
+    calls, plan, peak = _host_search()
     assert plan.memory == "resident" and plan.batch_size == 48
     # 2 and 3 record both steps' timelines (then time a third); they carry the same tensors from
     # one step to the next (the dataset's slices are host data, not carried state), so the trial
@@ -696,10 +701,13 @@ def test_after_the_two_recorded_sizes_a_trial_starts_with_one_step_at_the_smalle
     assert calls == [2, 2, 2, 3, 3, 3, 2, 48], calls
     last = plan.trials[-1]
     assert last.batch_size == 48 and last.tensor_bytes is None and last.step_seconds is not None
+    # the tensors' line at the answer is the model's (exact), not a line through the tiny trials
+    tf = plan.tensor_fit
+    assert tf.fixed_bytes + 48 * tf.bytes_per_sample == peak
 
 
 def test_a_step_that_keeps_something_growing_with_the_batch_runs_every_step_of_a_trial_at_its_size():
-    calls, plan = _host_search(keep=[])
+    calls, plan, _ = _host_search(keep=[])
     # the output kept into the next step is 4 floats a sample: only a step at 48 hands 48 to the next
     assert plan.batch_size == 48 and calls == [2, 2, 2, 3, 3, 3, 48, 48], calls
     assert plan.trials[-1].tensor_bytes is not None

@@ -243,7 +243,7 @@ def find_batch_size(
     if answer is None:
         raise _nothing_fits(list(trial_fn.done), space, dev, "nothing_fits" if verified else result.stop_reason)
     line = _memory_line(result.trials, space.limit_bytes, base)
-    tensor_line = _tensor_line(result.trials) if gauge.host else None
+    tensor_line = _tensor_line(result.trials, space.tensors, answer) if gauge.host else None
     plan = BatchPlan(
         batch_size=answer, target=float(cfg.target), capacity=int(space.capacity_bytes),
         limit_bytes=space.limit_bytes, strategy=policy.name, device=str(dev), trials=list(trial_fn.done),
@@ -531,7 +531,15 @@ def _memory_line(trials: list[Trial], limit: int, base: int | None) -> tuple[flo
     return line
 
 
-def _tensor_line(trials: list[Trial]) -> MemoryFit | None:
+def _tensor_line(trials: list[Trial], model: TensorModel | None = None, answer: int | None = None) -> MemoryFit | None:
+    """``plan.tensor_fit``: the tensor model's line at the answer (exact, both steps), else the measured tensor peaks'.
+
+    Trials after the model's two run their large size untracked (:meth:`_TrialRunner._warm_size`),
+    so the model, not their tensor bytes, says what the tensors take near the answer.
+    """
+    if model is not None and answer is not None:
+        fixed, per_sample = max(model.lines, key=lambda line: line[0] + line[1] * answer)
+        return MemoryFit(fixed_bytes=fixed, bytes_per_sample=per_sample)
     pts = [t for t in trials if t.measured and t.tensor_bytes is not None]
     proxies = [Trial(batch_size=t.batch_size, outcome=t.outcome, peak_bytes=t.tensor_bytes) for t in pts]
     line = fit_line(proxies)

@@ -57,8 +57,9 @@ class BatchPlan:
         memory: the figure the trials were judged on: ``"tensors"`` (an emulated
             capacity on CPU), ``"resident"`` (the process's real memory on CPU),
             ``"device"`` (reserved plus outside PyTorch on CUDA) or ``"allocated"``.
-        tensor_fit: on a real CPU (``memory == "resident"``), the line of the tensor bytes alone
-            (exact); ``fit`` minus it is the rest (allocator, kernel scratch, the runtime).
+        tensor_fit: on a real CPU, the line of the tensor bytes alone at the answer (from the
+            exact tensor model of the two tiny trials); ``fit`` minus it is the rest (allocator,
+            kernel scratch, the runtime).
         binding_limit: on a real CPU, the limit that set the capacity: ``"cgroup"``,
             ``"rlimit_as"`` or ``"physical"``; else ``None``.
         refused: trials not run because their predicted peak was over a limit past which
