@@ -37,7 +37,7 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     base_bytes                on a real CPU, the memory in use when the search began: limit_bytes =
                               base + target x (capacity - base); null elsewhere
     fit                       {fixed_bytes, bytes_per_sample} | null
-    tensor_fit                on a real CPU, the tensor bytes alone (each trial's first step), same keys | null
+    tensor_fit                on a real CPU, the tensor bytes alone at the answer (the tensor model's line), same keys | null
     snapshot                  {bytes, seconds, on_disk}: the restore snapshot's cost
     compiled                  the model is (or holds) a torch.compile'd module
     compiled_trials           the trials ran the compiled program (false: eagerly, under an
