@@ -6,7 +6,9 @@ import gc
 
 import torch
 
-from batchpilot.memory.tracker import StorageLedger
+from torch.utils._pytree import tree_flatten
+
+from batchpilot.memory.tracker import StorageLedger, tensor_leaves
 
 
 def test_a_storage_counts_once_resizes_by_the_difference_and_leaves_when_it_dies():
@@ -43,3 +45,18 @@ def test_host_data_is_charged_by_the_widest_view_then_forgotten():
     assert (ledger.live, ledger.is_partial(id(st))) == (4000, False)
     ledger.charge_view(st, data[:1])  # a storage charged whole stays as it is
     assert ledger.forget_partial() == 0 and ledger.live == 4000
+
+
+def test_tensor_leaves_are_tree_flattens_tensors_for_what_operators_take_and_return():
+    a, b, c, d = (torch.randn(2) for _ in range(4))
+    m = torch.randn(3, 4).max(dim=1)  # a torch.return_types result
+    cases = [
+        a, None, 3, (), [],
+        ((a, 1, None, torch.float32, torch.Size([2])), {"out": b, "alpha": 2.0}),
+        ([a, [b, (c,)], {"x": [d]}], {}),
+        (m, {"dim": 1}), m,
+    ]
+    for tree in cases:
+        expected = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+        got = tensor_leaves(tree)
+        assert len(got) == len(expected) and all(x is y for x, y in zip(got, expected)), tree

@@ -35,7 +35,7 @@ from ..core.amp import amp_dtype, autocast
 from ..core.batch import BatchLayout, BatchSplitter
 from ..core.compiled import eager_while_tracked
 from ..core.loss import as_loss_fn, forward_only, parse_loss
-from ..memory.tracker import StorageLedger, tensor_storages, watch_storage_resizes, wraps_subclass
+from ..memory.tracker import StorageLedger, tensor_leaves, tensor_storages, watch_storage_resizes, wraps_subclass
 from ..memory.units import format_bytes, parse_bytes
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .result import MemoryEstimate, PlanResult, PlanningError
@@ -257,13 +257,13 @@ class _FakeStorageCounter(TorchDispatchMode):
         if wraps_subclass(types):
             return NotImplemented  # a DTensor runs as operators on its local tensors, counted here
         kwargs = kwargs or {}
-        for t in tree_flatten((args, kwargs))[0]:
+        for t in tensor_leaves((args, kwargs)):
             st = _storage_of(t)
             if st is not None and id(st) not in self._records:
                 self._add(st)
         out = _kernel_parity(func, args, func(*args, **kwargs))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+        for t in tensor_leaves(out):
+            if t.device.type not in ("cpu", "meta"):
                 # A fake CUDA tensor's backward aborts a CPU-only build: stop before it runs.
                 raise PlanningError(
                     f"the step put a tensor on {t.device} ({func}); planning runs on CPU fake tensors, "
