@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -666,7 +667,7 @@ def test_a_trial_predicted_past_a_killing_limit_is_refused_and_never_run():
 # a host's real memory: what a trial runs at the large sizes
 
 
-def _host_search(keep: list | None = None, peak_at: int = 48) -> tuple[list[int], BatchPlan, int]:
+def _host_search(keep: list | None = None, peak_at: int = 48, **options: Any) -> tuple[list[int], BatchPlan, int]:
     """A search on this process's real memory (no cap: the resident set against the RAM), up to batch 48:
     the step's calls, the plan, and the tracked peak of two plain steps at ``peak_at`` afterwards."""
     torch.manual_seed(0)
@@ -684,7 +685,7 @@ def _host_search(keep: list | None = None, peak_at: int = 48) -> tuple[list[int]
         if keep is not None:
             keep[:] = [out.detach()]  # the step keeps its output alive into the next one
 
-    plan = find_batch_size(step, device="cpu", restore=(model, opt), max_batch_size=48)
+    plan = find_batch_size(step, device="cpu", restore=(model, opt), max_batch_size=48, **options)
     searched = list(calls)
     with track_peak("cpu", track=(model, opt)) as m:
         step(peak_at)
@@ -710,4 +711,15 @@ def test_a_step_that_keeps_something_growing_with_the_batch_runs_every_step_of_a
     calls, plan, _ = _host_search(keep=[])
     # the output kept into the next step is 4 floats a sample: only a step at 48 hands 48 to the next
     assert plan.batch_size == 48 and calls == [2, 2, 2, 3, 3, 3, 48, 48], calls
+    assert plan.trials[-1].tensor_bytes is not None
+
+
+def test_a_trial_of_one_step_after_the_two_recorded_sizes_runs_it_untracked():
+    # a scorer's search (one forward a trial, none timed): nothing to warm, the one step runs as it is
+    calls, plan, _ = _host_search(steps_per_trial=1, timed_steps=0)
+    assert plan.batch_size == 48 and calls == [2, 3, 48], calls
+    assert [t.tensor_bytes is None for t in plan.trials] == [False, False, True]
+    # what the step keeps into the next grows with the batch: the trial at 48 runs under the tracker
+    calls, plan, _ = _host_search(keep=[], steps_per_trial=1, timed_steps=0)
+    assert plan.batch_size == 48 and calls == [2, 3, 48], calls
     assert plan.trials[-1].tensor_bytes is not None

@@ -724,10 +724,13 @@ class _TrialRunner:
         warm = None if record else self._warm_size(batch_size)
         if warm is not None:
             # untracked: the peak is the kernel's figure, and the steps at batch_size are timed
-            _user_step(self.step, warm)
             holder.extend([None, self._steady_bytes()])
-            for _ in range(self.steps - 1):
-                times.append(timed(one_step, self.gauge.synchronize, read))
+            if self.steps == 1:
+                one_step()  # a trial of one step: its first, as a tracked one would run it
+            else:
+                _user_step(self.step, warm)
+                for _ in range(self.steps - 1):
+                    times.append(timed(one_step, self.gauge.synchronize, read))
             self._time_steps(times, one_step, False, read)
             return
         lines: list[list[int]] = []
@@ -735,13 +738,15 @@ class _TrialRunner:
             tracker = active_tracker(self.device)
             holder.append(m)
             for i in range(self.steps if record else 1):
-                if record and i == self.steps - 1:
+                if record and i == self.steps - 1 and i > 0:
                     self._carried[batch_size] = tracker.live - tracker.host_view_bytes
                 with tracker.recording() as timeline:
                     one_step()
                 lines.append(timeline)
                 if i == 0:
                     first_peak = m.peak_bytes
+            if record and self.steps == 1:  # what the one step leaves for the next trial's
+                self._carried[batch_size] = tracker.live - tracker.host_view_bytes
         m.peak_bytes = first_peak  # the first step's: what the model's check compares
         holder.append(self._steady_bytes())
         for _ in range(len(lines), self.steps):
@@ -759,9 +764,12 @@ class _TrialRunner:
         step into the next (nothing that grows with the batch outlives a step) and their
         timelines aligned (the same program at both), one step at the smaller leaves that state
         as a step at ``batch_size`` would: the trial's later steps then run at ``batch_size``
-        after it, one large step fewer per trial -- most of a search's cost on a host.
+        after it, one large step fewer per trial -- most of a search's cost on a host. A trial of
+        one step (``steps_per_trial=1``: a forward-only scorer) runs that step untracked: its
+        peak is the first step's either way, and the tracker's dispatch of every operator from
+        Python, which the tensor model no longer needs, was most of such a trial's cost.
         """
-        if self.steps < 2 or self._first_step is None or not self._model or len(self._carried) < 2:
+        if self._first_step is None or not self._model or len(self._carried) < 2:
             return None
         if len(set(self._carried.values())) != 1:
             return None  # a step keeps something that grows with the batch: only steps at this size show it
