@@ -25,7 +25,6 @@ HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 sys.path.insert(0, str(HELPERS))
 import dist_common as dc  # noqa: E402
 from dist_launch import (  # noqa: E402
-    ROOT,
     assert_params_close,
     read_result,
     rendezvous_lost_only,
@@ -359,14 +358,3 @@ def test_a_dead_rank_fails_the_launch_instead_of_hanging(tmp_path):
 def test_a_rank_that_never_joins_times_out_instead_of_hanging(tmp_path):
     with pytest.raises(AssertionError, match="Timed out|timed out|Timeout|failed"):
         torchrun(WORKER, str(tmp_path), "hang", timeout=90, env={"PG_TIMEOUT_S": "3"})
-
-
-def test_ddp_example_runs_under_torchrun(tmp_path):
-    # rank 1 emulates the smaller device: its finder's answer is the one both ranks use
-    proc = torchrun(ROOT / "examples" / "ddp_train.py", "--steps", "3", "--capacity", "1MiB,740KiB",
-                    "--checkpoint", str(tmp_path / "ckpt.pt"), timeout=120,
-                    finished=lambda out: "checkpoint written to" in out)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 0 step")]
-    assert len(lines) == 3
-    assert all("x 2 rank(s)" in line and "limited by rank 1" in line for line in lines)
-    assert (tmp_path / "ckpt.pt").exists()

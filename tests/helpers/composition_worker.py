@@ -38,6 +38,10 @@ def _run(out: Path, name: str, cells: list[cm.Cell], wrap) -> None:
         results[cell.id] = cm.run_cell(cell, wrap=wrap, rows=slice(rank * share, (rank + 1) * share),
                                        world=world).to_json()
         (out / f"{name}_rank{rank}.json").write_text(json.dumps(results))
+        # what a cell leaves alive is state (dynamo's modules and caches after a compile cell): out
+        # of the way of the next cells' collections, as tests/conftest.py does between tests
+        gc.collect()
+        gc.freeze()
 
 
 def ddp(out: Path) -> None:
@@ -53,5 +57,4 @@ if __name__ == "__main__":
         import logging
 
         logging.basicConfig(level=logging.DEBUG, format=f"[r{os.environ.get('RANK')}] %(name)s %(message)s")
-    gc.freeze()  # the imports never become garbage: the finder's gc.collect() need not walk them
     run_scenarios({"ddp": ddp, "fsdp": fsdp})

@@ -8,6 +8,7 @@ ranks' samples at once.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -194,6 +195,8 @@ def run_suite_faults(out: Path) -> None:
     for i, (rank_at, kind, step, nth, split) in enumerate(SUITE_FAULTS):
         run_fault(out, f"fault{i}", rank_at=rank_at, kind=kind, step=step, nth=nth, split=split, capacity="3MiB",
                   steps=FAULT_STEPS)
+        gc.collect()  # each run's leftovers (FSDP's state) out of the way of the next run's collections
+        gc.freeze()
 
 
 def run_fault(out: Path, name: str, *, rank_at: int, kind: str, step: int, nth: int, split: bool,
@@ -260,8 +263,6 @@ def tracked_peak(batch_size: int, length: int) -> tuple[int, int]:
     buffers when its work ends, before or after this thread's next allocation). The collector is
     paused as the finder pauses it in its trials.
     """
-    import gc
-
     from batchpilot.memory.probes import track_peak
 
     model = shard_model(build())
