@@ -715,11 +715,10 @@ def test_a_step_that_keeps_something_growing_with_the_batch_runs_every_step_of_a
 
 
 def test_a_trial_of_one_step_after_the_two_recorded_sizes_runs_it_untracked():
-    # a scorer's search (one forward a trial, none timed): nothing to warm, the one step runs as it is
-    calls, plan, _ = _host_search(steps_per_trial=1, timed_steps=0)
-    assert plan.batch_size == 48 and calls == [2, 3, 48], calls
-    assert [t.tensor_bytes is None for t in plan.trials] == [False, False, True]
-    # what the step keeps into the next grows with the batch: the trial at 48 runs under the tracker
-    calls, plan, _ = _host_search(keep=[], steps_per_trial=1, timed_steps=0)
-    assert plan.batch_size == 48 and calls == [2, 3, 48], calls
-    assert plan.trials[-1].tensor_bytes is not None
+    # a scorer's search (one forward a trial, none timed): nothing to warm, and no second step for a
+    # kept output to weigh on, so the trial at 48 runs its one step untracked whether or not the step
+    # keeps its output
+    for keep in (None, []):
+        calls, plan, _ = _host_search(keep=keep, steps_per_trial=1, timed_steps=0)
+        assert plan.batch_size == 48 and calls == [2, 3, 48], (keep, calls)
+        assert [t.tensor_bytes is None for t in plan.trials] == [False, False, True], keep

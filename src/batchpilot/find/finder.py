@@ -738,15 +738,13 @@ class _TrialRunner:
             tracker = active_tracker(self.device)
             holder.append(m)
             for i in range(self.steps if record else 1):
-                if record and i == self.steps - 1 and i > 0:
+                if record and i == self.steps - 1:
                     self._carried[batch_size] = tracker.live - tracker.host_view_bytes
                 with tracker.recording() as timeline:
                     one_step()
                 lines.append(timeline)
                 if i == 0:
                     first_peak = m.peak_bytes
-            if record and self.steps == 1:  # what the one step leaves for the next trial's
-                self._carried[batch_size] = tracker.live - tracker.host_view_bytes
         m.peak_bytes = first_peak  # the first step's: what the model's check compares
         holder.append(self._steady_bytes())
         for _ in range(len(lines), self.steps):
@@ -765,10 +763,13 @@ class _TrialRunner:
         timelines aligned (the same program at both), one step at the smaller leaves that state
         as a step at ``batch_size`` would: the trial's later steps then run at ``batch_size``
         after it, one large step fewer per trial -- most of a search's cost on a host. A trial of
-        one step (``steps_per_trial=1``: a forward-only scorer) runs that step untracked: its
-        peak is the first step's either way, and the tracker's dispatch of every operator from
-        Python, which the tensor model no longer needs, was most of such a trial's cost.
+        one step (``steps_per_trial=1``: a forward-only scorer) has nothing to warm and no later
+        step for a kept tensor to weigh on: after the two recorded sizes it runs untracked, its
+        peak its first step's either way (the tracker's dispatch of every operator from Python
+        was most of such a trial's cost).
         """
+        if self.steps == 1:
+            return min(self._timelines) if len(self._timelines) >= 2 else None
         if self._first_step is None or not self._model or len(self._carried) < 2:
             return None
         if len(set(self._carried.values())) != 1:
