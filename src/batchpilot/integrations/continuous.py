@@ -449,7 +449,7 @@ class _Sizer:
         return geo.sectors(math.ceil(blocks / max(1e-3, 1 - margin)) + 1)
 
     def _verify(self, tokens: int, sectors: int) -> ContinuousBatchingPlan:
-        """Run at ``sectors``; grow while a run that filled its cache leaves room, step down when one fails.
+        """Run at ``sectors``; grow once when a run that filled its cache leaves room, step down when one fails.
 
         A run whose requests filled the cache measured the peak itself, and is judged by what it
         measured; one that could not fill it in a few seconds is judged by the larger of its measure
@@ -496,6 +496,10 @@ class _Sizer:
                 sectors -= max(1, math.ceil((expected - self.limit) / slope))
             else:
                 sectors = min(sectors - 1, math.floor(sectors * (1 - _STEP_DOWN)))
+            # a cache that failed or ran over bounds the answer from above: the step down is the last
+            # size tried upward, so that sizing takes three runs (probe, prediction, step down), not a
+            # fourth to win back the part of a step (the arena's heaps make the excess look larger)
+            grown = True
             if sectors < floor_sectors:
                 break
         raise self._nothing_fits(tokens, self.runs[-1])
