@@ -11,7 +11,6 @@ still tells which cells ran.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import composition as cm  # noqa: E402
-from scenario_main import run_scenarios  # noqa: E402
+from scenario_main import run_scenarios, settle  # noqa: E402
 
 from batchpilot.core.sharding import shard_model  # noqa: E402
 from batchpilot.dist import distributed as bd  # noqa: E402
@@ -38,10 +37,7 @@ def _run(out: Path, name: str, cells: list[cm.Cell], wrap) -> None:
         results[cell.id] = cm.run_cell(cell, wrap=wrap, rows=slice(rank * share, (rank + 1) * share),
                                        world=world).to_json()
         (out / f"{name}_rank{rank}.json").write_text(json.dumps(results))
-        # what a cell leaves alive is state (dynamo's modules and caches after a compile cell): out
-        # of the way of the next cells' collections, as tests/conftest.py does between tests
-        gc.collect()
-        gc.freeze()
+        settle()  # a compile cell leaves dynamo's modules and caches
 
 
 def ddp(out: Path) -> None:

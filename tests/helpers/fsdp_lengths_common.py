@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import heldout_lm as hl
+from scenario_main import settle
 from batchpilot.core.sharding import shard_model
 from batchpilot.dist import distributed as bd
 from batchpilot.memory.probes import emulate_capacity
@@ -195,8 +196,7 @@ def run_suite_faults(out: Path) -> None:
     for i, (rank_at, kind, step, nth, split) in enumerate(SUITE_FAULTS):
         run_fault(out, f"fault{i}", rank_at=rank_at, kind=kind, step=step, nth=nth, split=split, capacity="3MiB",
                   steps=FAULT_STEPS)
-        gc.collect()  # each run's leftovers (FSDP's state) out of the way of the next run's collections
-        gc.freeze()
+        settle()  # each run leaves FSDP's state
 
 
 def run_fault(out: Path, name: str, *, rank_at: int, kind: str, step: int, nth: int, split: bool,

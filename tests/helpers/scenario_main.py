@@ -21,21 +21,29 @@ import torch
 from batchpilot.dist import distributed as bd
 
 
+def settle() -> None:
+    """Collect garbage, then freeze what is left out of later collections' way.
+
+    What is still alive between scenarios (or cells, or runs) is state: imports, dynamo's modules,
+    FSDP's caches. Every full collection batchpilot runs (two a search, one after each OOM) would
+    walk it: 55 ms each in a rank with FSDP loaded, 6 of a launch's 32 s. tests/conftest.py does
+    the same between tests.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def run_scenarios(scenarios: dict[str, Callable[[Path], None]]) -> None:
     """Run the scenarios named on the command line; rank 0 prints each one's seconds as a JSON line."""
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    # the imports never become garbage: every full collection batchpilot runs (two a search, one
-    # after each OOM) would walk them, 55 ms each in a rank with FSDP loaded, 6 of a launch's 32 s
-    gc.collect()
-    gc.freeze()
+    settle()  # the imports never become garbage
     timeout = timedelta(seconds=float(os.environ.get("PG_TIMEOUT_S", "60")))
     bd.init_distributed(backend="gloo", timeout=timeout)
     for name in sys.argv[2:]:
         began = time.perf_counter()
         scenarios[name](out)
-        gc.collect()  # what a scenario leaves alive is state: out of the way of the next one's collections
-        gc.freeze()
+        settle()
         if bd.rank() == 0:
             print(json.dumps({"scenario": name, "seconds": round(time.perf_counter() - began, 2)}), flush=True)
     torch.distributed.destroy_process_group()

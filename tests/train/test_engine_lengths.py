@@ -391,13 +391,7 @@ def test_a_float64_batch_that_fits_whole_at_every_first_length_still_gets_a_mode
     g = torch.Generator().manual_seed(3)
     batches = [padded_lm_batch([w] + torch.randint(1, w + 1, (7,), generator=g).tolist(), vocab=64, generator=g)
                for w in (24, 64, 120)]
-    expected = copy.deepcopy(model)
-    ref = torch.optim.SGD(expected.parameters(), lr=0.1)
-    for batch in batches:
-        ref.zero_grad(set_to_none=True)
-        total, count = lm_loss(expected, batch)
-        (total / count).backward()
-        ref.step()
+    expected = _reference(model, batches)
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, global_batch_size=8,
                     lengths=LengthConfig(), config=EngineConfig(capacity="4MiB"))
     with emulate_capacity("4MiB"):

@@ -96,7 +96,6 @@ class LengthConfig:
         return None if self.length_fn is not None else 1
 
 
-
 def _accumulating_line(plan: BatchPlan) -> tuple[float, float] | None:
     """``(fixed, per_sample)`` of an engine search at one length, for micro-batches that accumulate.
 
@@ -117,6 +116,7 @@ def _accumulating_line(plan: BatchPlan) -> tuple[float, float] | None:
     x, y = sorted(below)[-2:]
     slope = (below[y] - below[x]) / (y - x)
     return line if slope <= 0 else (below[x] - slope * x, slope)
+
 
 @dataclass(frozen=True)
 class LengthStep:
