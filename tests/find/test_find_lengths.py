@@ -118,3 +118,7 @@ def test_fit_lengths_sequences() -> None:
     assert result.attempted >= 2 and result.failed == 0
     assert choose_fit_lengths((16, 32, 64, 128, 256, 384, 512)) == (64, 256, 512)  # within 8x; the tie goes long
     assert choose_fit_lengths((16, 512)) == (16, 512)
+    # down_to replaces the 8x rule: down to the longest length at most down_to, else the shortest
+    assert choose_fit_lengths((16, 32, 64, 128, 256, 384, 512), down_to=40) == (32, 128, 512)
+    assert choose_fit_lengths((16, 32, 64, 128, 256, 384, 512), down_to=8) == (16, 128, 512)
+    assert choose_fit_lengths((16, 512), down_to=600) == (16, 512)  # nothing long enough left: every length

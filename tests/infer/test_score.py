@@ -110,6 +110,20 @@ def test_each_batch_is_sized_for_its_length_from_a_few_trials_per_length(model) 
     assert {b.size for b in scorer.batches if not b.trial} != {1}
 
 
+def test_the_model_is_measured_down_to_the_median_request_far_below_the_longest(model) -> None:
+    g = torch.Generator().manual_seed(5)
+    requests = [torch.randint(4, 100, (L,), generator=g)
+                for L in tiny_llama.lengths(60, context=CONTEXT, median=6, long=3, seed=5)]
+    median = sorted(map(len, requests))[len(requests) // 2]
+    assert 8 * median < max(map(len, requests))  # a training search would leave it to the model
+    run = Scorer(model)
+    scorer = LengthScorer(run, length=len, capacity=CAP, track=[model])
+    assert scorer.score(requests) == pytest.approx(_alone(model, requests), rel=1e-5, abs=1e-4)
+    plans = scorer.plan.length_plans
+    assert min(plans) <= median and max(plans) == max(map(len, requests)), sorted(plans)
+    assert not any(b.oom for b in scorer.batches)
+
+
 def test_an_oom_mid_run_splits_the_batch_and_retries_it_with_no_request_lost_or_run_twice(model) -> None:
     requests = _requests(seed=1)
     run = Scorer(model, extra_per_request=40_000)
@@ -230,6 +244,13 @@ def test_batch_end_never_pads_more_than_the_calls_it_saves() -> None:
         end = batch_end(lengths, 0, 7, k)
         padding = sum(lengths[0] - L for L in lengths[:end])
         assert padding <= (end - 1) * k
+    # a tolerance lets the padding exceed the calls saved by that share of the requests' own tokens
+    assert batch_end(lengths, 0, 7, 0, 0.05) == 2 and batch_end(lengths, 0, 7, 0, 1.0) == 7
+    for k, tol in ((0, 0.05), (1, 0.05), (5, 0.2)):
+        end = batch_end(lengths, 0, 7, k, tol)
+        padding = sum(lengths[0] - L for L in lengths[:end])
+        assert padding <= (end - 1) * k + tol * sum(lengths[:end]) and (
+            end == 7 or sum(lengths[0] - L for L in lengths[:end + 1]) > end * k + tol * sum(lengths[:end + 1]))
 
 
 def test_docstring_examples() -> None:

@@ -35,7 +35,7 @@ from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, resolve_device
 from ..policy.lengths import LengthBudget, LengthFit, choose_fit_lengths, fit_lengths
 from ..policy.search import BatchSizeError, NothingFitsError
-from ..policy.speed import fit_time
+from ..policy.speed import SPEED_TOLERANCE, fit_time
 from .ranks import exchange
 
 __all__ = ["ScoreBatch", "LengthScorer", "batch_end", "score_by_length"]
@@ -51,6 +51,8 @@ _MIN_WINDOW = 2
 _SEARCH_TOLERANCE = 0.05
 #: the least an OOM corrects the model by near its length
 _OOM_CORRECTION = 1.25
+#: a call's fixed cost near a length is measured on the batches within this factor of it
+_TIME_BAND = 2.0
 
 
 @dataclass
@@ -151,7 +153,7 @@ class LengthScorer(Generic[R, T]):
         self.budget: LengthBudget | None = None
         self.plan: LengthPlan | None = None
         self.batches: list[ScoreBatch] = []
-        self._times: dict[int, float] = {}  # {padded tokens: fastest seconds} of the batches run
+        self._times: dict[tuple[int, int], float] = {}  # {(padded length, tokens): fastest seconds} of the batches run
         self._others: list[LengthBudget] = []  # the other ranks' budgets, from the last agreement
 
     # ------------------------------------------------------------------ the public call
@@ -237,7 +239,9 @@ class LengthScorer(Generic[R, T]):
         if self.plan is None:
             # lengths whose window holds two requests or more (the longest always: its search verifies it)
             usable = tuple(sorted(L for L, r in room.items() if r >= _MIN_WINDOW or L == longest))
-            fitted = choose_fit_lengths(usable)
+            # down to the median request: most requests, and the largest batches, are there, and a
+            # quadratic through longer lengths alone extrapolated down to it over-promised by 2-3x
+            fitted = choose_fit_lengths(usable, down_to=ordered[n // 2])
         else:  # longer than an earlier call verified: a search there, the earlier lines kept
             fitted = (longest,)
         plans: dict[int, BatchPlan] = {}
@@ -337,7 +341,8 @@ class LengthScorer(Generic[R, T]):
             if size < 1:
                 raise self._nothing_fits(L, None, "does not fit even alone under the memory limit")
             stop = next((k for k in range(pos + 1, min(n, pos + size)) if order[k] in results), min(n, pos + size))
-            end = batch_end(ordered, pos, stop, self._overhead_tokens())
+            # within the speed tolerance the time model cannot tell the two apart: fewer calls win
+            end = batch_end(ordered, pos, stop, self._overhead_tokens(L), SPEED_TOLERANCE)
             idx = order[pos:end]
             batch = [requests[i] for i in idx]
             gauge.synchronize()
@@ -362,13 +367,22 @@ class LengthScorer(Generic[R, T]):
             for i, value in zip(idx, outcome.result):
                 results[i] = value
             tokens = len(idx) * L
-            self._times[tokens] = min(seconds, self._times.get(tokens, math.inf))
+            self._times[L, tokens] = min(seconds, self._times.get((L, tokens), math.inf))
             self._observe(L, len(idx), peak)
             pos = end
 
-    def _overhead_tokens(self) -> float | None:
-        """A call's fixed cost in tokens' worth of compute, from the batches timed so far (``None``: too few)."""
-        fit = fit_time(self._times) if len(self._times) >= 2 else None
+    def _overhead_tokens(self, length: int) -> float | None:
+        """A call's fixed cost in tokens' worth of compute near ``length``, from the batches timed there (``None``: too few).
+
+        Only batches within :data:`_TIME_BAND` of ``length``: a token costs more in long rows
+        (attention grows with the square of the length), so a line through long and short batches
+        alike leans on the long ones and puts the fixed cost at zero.
+        """
+        near: dict[int, float] = {}
+        for (L, tokens), seconds in self._times.items():
+            if length <= L * _TIME_BAND and L <= length * _TIME_BAND:
+                near[tokens] = min(seconds, near.get(tokens, math.inf))
+        fit = fit_time(near) if len(near) >= 2 else None
         if fit is None:
             return None
         if fit.seconds_per_sample <= 0:
@@ -412,14 +426,17 @@ class LengthScorer(Generic[R, T]):
 
 @contextlib.contextmanager
 def _collected_once(device: torch.device) -> Any:
-    """One full garbage collection before the searches, and none of what existed then during them.
+    """The young garbage collected before the searches, and none of what existed then collected during them.
 
     Each search collects garbage when it starts and ends, and a full collection walks every object
-    of the process: 0.7 s with transformers and lm-eval loaded, twice per length. What existed
-    before is collected here once and frozen (``gc.freeze``) while the searches run, unless the
-    caller froze objects already; the searches' own garbage is collected as before.
+    of the process: 0.2-0.7 s with transformers and lm-eval loaded, twice per length. What exists
+    before is frozen (``gc.freeze``) while the searches run, unless the caller froze objects
+    already, after one collection of the young generations (the caller's last step's garbage);
+    older garbage stays frozen, as constant a part of the memory the searches start from as the
+    model, and goes at the next full collection after them. The searches' own garbage is
+    collected as before.
     """
-    free_memory(device)
+    free_memory(device, generation=1)
     if gc.get_freeze_count():
         yield
         return
@@ -430,27 +447,32 @@ def _collected_once(device: torch.device) -> Any:
         gc.unfreeze()
 
 
-def batch_end(lengths: Sequence[int], start: int, stop: int, overhead_tokens: float | None) -> int:
+def batch_end(lengths: Sequence[int], start: int, stop: int, overhead_tokens: float | None,
+              tolerance: float = 0.0) -> int:
     """Where a batch that starts at ``start`` of the longest-first ``lengths`` ends (``stop`` at most).
 
     Padding to the first (longest) request costs compute, and a call costs its fixed overhead:
     the batch grows while its padding, in tokens, is at most ``overhead_tokens`` per request
-    beyond the first -- the calls it saves -- so that under ``seconds = fixed + per_token ×
-    tokens`` it never takes longer than its requests one at a time. Without a measured overhead
+    beyond the first -- the calls it saves -- plus ``tolerance`` times its requests' own tokens,
+    so that under ``seconds = fixed + per_token × tokens`` it never takes more than ``1 +
+    tolerance`` times as long as its requests one at a time. Without a measured overhead
     (``None``) a batch takes the requests at least half as long as its first:
 
     >>> batch_end([40, 39, 30, 12, 11], 0, 5, 8)  # 1 + 10 tokens of padding: 28 more would exceed 3 × 8
     3
+    >>> batch_end([40, 39, 30, 12, 11], 0, 5, 0), batch_end([40, 39, 30, 12, 11], 0, 5, 0, 0.05)
+    (1, 2)
     >>> batch_end([40, 39, 30, 12, 11], 0, 5, None), batch_end([40, 39, 30, 12, 11], 3, 5, None)
     (3, 5)
     """
     first = lengths[start]
-    end, padding = start + 1, 0
+    end, padding, tokens = start + 1, 0, first
     while end < stop:
         pad = padding + first - lengths[end]
-        if (2 * lengths[end] < first) if overhead_tokens is None else pad > (end - start) * overhead_tokens:
+        allowed = (end - start) * (overhead_tokens or 0.0) + tolerance * (tokens + lengths[end])
+        if (2 * lengths[end] < first) if overhead_tokens is None else pad > allowed:
             break
-        padding, end = pad, end + 1
+        padding, tokens, end = pad, tokens + lengths[end], end + 1
     return end
 
 

@@ -467,7 +467,7 @@ def plan_length_split(lengths: Sequence[int], budget: Callable[[int], int]) -> l
     return out
 
 
-def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
+def choose_fit_lengths(lengths: tuple[int, ...], *, down_to: int | None = None) -> tuple[int, ...]:
     """The lengths to search at: up to three, from those within 8× of the longest.
 
     Much shorter sequences are left to the model: there the fixed memory (weights, optimizer
@@ -480,8 +480,19 @@ def choose_fit_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
     (256, 1024, 2048)
     >>> choose_fit_lengths((16, 512))
     (16, 512)
+
+    ``down_to`` replaces the 8× rule: the pool reaches down to the longest length at most
+    ``down_to`` (the shortest if none is). Forward-only scoring, whose batches are largest where
+    most of its requests are, measures there instead of extrapolating a quadratic down to it:
+
+    >>> choose_fit_lengths((16, 43, 131, 388, 1020), down_to=45)
+    (43, 131, 1020)
     """
-    near = tuple(L for L in lengths if 8 * L >= lengths[-1])
+    if down_to is None:
+        near = tuple(L for L in lengths if 8 * L >= lengths[-1])
+    else:
+        floor = max((L for L in lengths if L <= down_to), default=lengths[0])
+        near = tuple(L for L in lengths if L >= floor)
     pool = near if len(near) >= 2 else lengths
     if len(pool) <= 3:
         return pool
