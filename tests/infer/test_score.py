@@ -124,6 +124,26 @@ def test_the_model_is_measured_down_to_the_median_request_far_below_the_longest(
     assert not any(b.oom for b in scorer.batches)
 
 
+def test_the_limit_keeps_twice_the_trials_scatter_about_their_lines_in_reserve() -> None:
+    from types import SimpleNamespace
+
+    from batchpilot.policy.search import Trial
+
+    MiB = 2**20
+
+    def plan(fixed, per, *peaks):  # a length's search: its line, and its trials (size, peak)
+        trials = [Trial(batch_size=b, outcome="fit", peak_bytes=int(peak * MiB), start_bytes=int(fixed * MiB))
+                  for b, peak in peaks]
+        return SimpleNamespace(fit=SimpleNamespace(fixed_bytes=fixed * MiB, bytes_per_sample=per * MiB), trials=trials)
+
+    on_the_line = {47: plan(1000, 0.5, (2, 1001), (40, 1020)), 236: plan(1000, 2, (2, 1004), (9, 1018))}
+    assert score_mod._margin(on_the_line, 1030 * MiB) == 0
+    noisy = {47: plan(1000, 0.5, (2, 1002.5), (40, 1020)), 236: plan(1000, 2, (2, 1003), (9, 1018))}
+    assert score_mod._margin(noisy, 1030 * MiB) == pytest.approx(2 * 1.5 * MiB)  # the farthest, 1.5 MiB, twice
+    # never more than half the room above the lowest start
+    assert score_mod._margin(noisy, 1004 * MiB) == pytest.approx(2 * MiB)
+
+
 def test_an_oom_mid_run_splits_the_batch_and_retries_it_with_no_request_lost_or_run_twice(model) -> None:
     requests = _requests(seed=1)
     run = Scorer(model, extra_per_request=40_000)

@@ -53,6 +53,8 @@ _SEARCH_TOLERANCE = 0.05
 _OOM_CORRECTION = 1.25
 #: a call's fixed cost near a length is measured on the batches within this factor of it
 _TIME_BAND = 2.0
+#: the model's limit is lowered by this many times the searches' largest distance of a peak from its line
+_SCATTER_MARGIN = 2.0
 
 
 @dataclass
@@ -252,6 +254,7 @@ class LengthScorer(Generic[R, T]):
         self.plan = _length_plan({**(self.plan.length_plans if self.plan else {}), **plans},
                                  time.perf_counter() - started)
         self.budget = self.plan.budget(self.max_batch_size)
+        self.budget.limit_bytes -= _margin(self.plan.length_plans, self.budget.limit_bytes)
         if earlier is not None:  # what the earlier batches taught stays
             self.budget.corrections.update(earlier.corrections)
         logger.info("scoring sized at lengths %s in %.2fs: %s", sorted(plans), self.plan.seconds,
@@ -422,6 +425,29 @@ class LengthScorer(Generic[R, T]):
             budget.correct(length, max(_OOM_CORRECTION, capacity / predicted))
         if length in budget.verified:
             budget.verified[length] = max(1, min(budget.verified[length], size - 1))
+
+
+def _margin(plans: dict[int, BatchPlan], limit: float) -> float:
+    """Bytes to keep under the limit for the noise of the figure the batches are sized by.
+
+    :data:`_SCATTER_MARGIN` times the largest distance of a measured trial's peak from its
+    length's memory line (at most half the room above the lowest start). On exact tensor bytes that
+    is about nothing; on a host's address space, where what each trial leaves or frees moves the
+    figure by 1-3 MiB, it is what a batch sized right at the limit by a line through such points
+    can exceed it by: issue #26's scorer under ``RLIMIT_AS`` with a room of 32 MiB ran a batch
+    predicted at its limit to 7.8 MiB past it, into the cap, about once in 30 fresh runs.
+    """
+    worst, starts = 0.0, []
+    for p in plans.values():
+        if p.fit is None:
+            continue
+        for t in p.trials:
+            if t.measured and t.peak_bytes is not None:
+                worst = max(worst, abs(t.peak_bytes - p.fit.fixed_bytes - t.batch_size * p.fit.bytes_per_sample))
+            if t.start_bytes is not None:
+                starts.append(t.start_bytes)
+    margin = _SCATTER_MARGIN * worst
+    return min(margin, 0.5 * max(0.0, limit - min(starts))) if starts else margin
 
 
 @contextlib.contextmanager
