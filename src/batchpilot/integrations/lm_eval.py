@@ -195,8 +195,8 @@ class BatchpilotLM(HFLM):
         """
         if logits_to_keep is None or attn_mask is not None or labels is not None or not self._keeps_logits():
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
-        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
-                                             enabled=self.mixed_precision_dtype is not None):
+        amp = getattr(self, "mixed_precision_dtype", None)  # HFLM's autocast dtype, where its version has one
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=amp, enabled=amp is not None):
             return self.model(inps, logits_to_keep=logits_to_keep).logits
 
     def _keeps_logits(self) -> bool:
