@@ -23,11 +23,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_llama  # noqa: E402
 from rlimit import cap_address_space  # noqa: E402
 
-warnings.filterwarnings("ignore")
-torch.set_num_threads(1)
-
-from batchpilot.integrations.lm_eval import BatchpilotLM  # noqa: E402
-
 CONTEXT, WORDS = 1024, 1000
 
 
@@ -45,6 +40,11 @@ def model():
 
 
 def main() -> None:
+    # settings of this process alone: the test imports the module for model() and requests()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from batchpilot.integrations.lm_eval import BatchpilotLM
+
     headroom = int(sys.argv[1]) * 2**20
     net, tok = model(), tiny_llama.tokenizer(words=WORDS)
     asks = requests()

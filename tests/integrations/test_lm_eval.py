@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+import score_rlimit  # noqa: E402
 import tiny_llama  # noqa: E402
 from dist_launch import torchrun  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
@@ -108,15 +112,8 @@ def test_loglikelihood_asks_the_model_for_the_continuations_logits_only(model, t
     assert [v for v, _ in full] == pytest.approx([v for v, _ in got], rel=1e-6, abs=1e-6)
 
 
-def test_loglikelihood_under_a_real_rlimit_as_runs_out_of_memory_at_most_once_before_the_first_batch(
-        tmp_path) -> None:
+def test_loglikelihood_under_a_real_rlimit_as_runs_out_of_memory_at_most_once_before_the_first_batch() -> None:
     """Issue #26's 360 requests in a plain fresh process under RLIMIT_AS = mapped + 176 MiB."""
-    import os
-    import subprocess
-    import sys
-
-    import score_rlimit
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     # the tokenizer's threads off: their glibc arenas, made after the cap, would take 144 of the
     # 176 MiB (benchmarks/README.md reports that case)
