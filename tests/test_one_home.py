@@ -166,3 +166,39 @@ def test_the_emulated_capacity_has_one_home():
              if not (rel in ("memory/probes.py", "memory/gauge.py") and how == "emulated =")]
     assert not wrong, ("an emulated capacity read or recorded outside batchpilot.memory.probes; call "
                        "batchpilot.memory.probes.emulated_capacity(device) instead:\n" + "\n".join(wrong))
+
+
+def _target_checks(tree: ast.AST) -> list[int]:
+    """Lines of comparisons of a ``target`` (a name or an attribute) with a number: a range check written again."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_name(o) == "target" for o in operands) and any(
+                    isinstance(o, ast.Constant) and type(o.value) in (int, float) for o in operands):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_scan_sees_a_target_check():
+    code = "if not 0 < target <= 1:\n    pass\nok = self.target < 0.95\nfine = target < high_water\n"
+    assert _target_checks(ast.parse(code)) == [1, 3]
+
+
+def test_the_target_has_one_check_and_one_default():
+    # every door (FindOptions, the engine, the planner, the train job, the integrations, the command
+    # line) checks a target with batchpilot.policy.search.check_target; a tighter bound is its `below=`
+    wrong = [f"{rel}:{line}" for rel, path in SOURCES.items()
+             for line in _target_checks(ast.parse(path.read_text(), str(path)))]
+    assert not wrong, ("a target's range checked outside batchpilot.policy.search.check_target; call it "
+                       "(with below= for a bound of the entry point's own):\n" + "\n".join(wrong))
+    import inspect
+
+    from batchpilot.find.options import option_default
+    from batchpilot.plan.generation import plan_generation
+    from batchpilot.plan.planner import plan_batch_size
+    from batchpilot.policy.search import DEFAULT_TARGET
+
+    defaults = {option_default("target")} | {inspect.signature(f).parameters["target"].default
+                                              for f in (plan_batch_size, plan_generation)}
+    assert defaults == {DEFAULT_TARGET}

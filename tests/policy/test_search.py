@@ -500,3 +500,16 @@ def test_predict_does_not_follow_a_falling_line_and_still_finds_the_boundary():
     assert seq[:2] == [2, 30] and res.trials[1].peak_bytes < res.trials[0].peak_bytes
     assert res.batch_size == true_max(dip, space.limit_bytes) == 276
     assert len(seq) <= 6 and sum(t.outcome == OOM for t in res.trials) <= 1
+
+
+def test_check_target_is_the_one_range_and_error():
+    from batchpilot.policy.search import check_target
+
+    assert check_target(1) == 1.0 and check_target(0.8) == 0.8
+    for bad in (0, -0.1, 1.01, float("nan"), True, "0.8", None):
+        with pytest.raises(BatchSizeError, match=r"target must be a fraction of device memory in \(0, 1\]"):
+            check_target(bad)
+    # an entry point's own bound, exclusive, named in the message
+    assert check_target(0.9, below=0.95, bound="config.high_water") == 0.9
+    with pytest.raises(BatchSizeError, match=r"target 0.95 must be below config.high_water 0.95, or it is pressure"):
+        check_target(0.95, below=0.95, bound="config.high_water", reason="or it is pressure")

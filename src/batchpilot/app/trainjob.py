@@ -40,7 +40,7 @@ from ..memory.oom import is_oom
 from ..memory.probes import emulate_capacity, get_probe, track_peak
 from ..memory.units import format_bytes, parse_bytes, resolve_device
 from ..policy.schedule import BatchSchedule, ConstantSchedule, LR_SCALE_RULES, parse_schedule
-from ..policy.search import STRATEGIES
+from ..policy.search import STRATEGIES, check_target
 from ..train.batching import is_adaptive, scale_lr
 from ..train.data import ElasticBatchSampler
 from ..train.engine import Engine, EngineConfig, StepResult
@@ -179,9 +179,10 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be 0 or more, got {self.weight_decay}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ValueError(f"clip_grad must be a positive max norm, got {self.clip_grad}")
-        # the engine counts a peak above 0.95 of the capacity as pressure, so the target stays below it
-        if not 0 < self.target < 0.95:
-            raise ValueError(f"target must be in (0, 0.95) for training, got {self.target}")
+        # the finder's check, and the engine's bound: it counts a peak above its high-water mark as
+        # pressure, so a target at or above it would shrink every grown micro-batch again
+        check_target(self.target, below=EngineConfig.high_water, bound="the engine's high-water mark",
+                     reason="for training: the engine aims its grown micro-batches at the target too")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be a fraction in (0, 1), got {self.held_out}")
         if self.capacity not in (None, "auto"):

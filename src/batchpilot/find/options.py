@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from .._checks import check_int, positive_int
 from ..memory.units import parse_bytes
-from ..policy.search import STRATEGIES, BatchSizeError, SearchPolicy
+from ..policy.search import DEFAULT_TARGET, STRATEGIES, BatchSizeError, SearchPolicy, check_target
 from ..policy.speed import SPEED_TOLERANCE, check_objective, check_speed_tolerance
 
 __all__ = ["FindOptions", "option_default", "option_help"]
@@ -57,7 +57,7 @@ class FindOptions:
     """
 
     target: float = _option(
-        0.8, "fraction of the capacity a trial's peak may use, in (0, 1]; on a host, of what the job can "
+        DEFAULT_TARGET, "fraction of the capacity a trial's peak may use, in (0, 1]; on a host, of what the job can "
              "still grow into. 0.6-0.8 leaves room for fragmentation and other processes")
     capacity: int | str | None = _option(
         None, "device memory in bytes or as a string (\"24GiB\") to emulate; None: the device's real memory")
@@ -92,11 +92,7 @@ class FindOptions:
               "memory (0 times nothing), 3 for throughput and for the engine's split by time")
 
     def __post_init__(self) -> None:
-        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
-            raise BatchSizeError(
-                f"target must be a fraction of device memory in (0, 1], got {self.target!r}; "
-                "0.6-0.8 leaves room for fragmentation and other processes"
-            )
+        check_target(self.target)  # the one check of a target (an entry point may add a tighter bound)
         if self.capacity is not None:
             try:
                 self.capacity = parse_bytes(self.capacity)

@@ -29,7 +29,7 @@ from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import ResidentPeak, resident_bytes
 from ..memory.oom import free_memory, is_oom
 from ..memory.units import format_bytes, parse_bytes
-from ..policy.search import NothingFitsError
+from ..policy.search import NothingFitsError, check_target
 from ._common import require
 
 require("transformers", "batchpilot.integrations.continuous")
@@ -178,7 +178,10 @@ def size_continuous_batching(
         inputs: the prompts (token ids) the job will run, optional: the cache is capped at what they
             all need at once, and a request longer than the model's context, or than the cache the
             limit allows, is an error here rather than inside the run.
-        target: fraction of the headroom the run may grow into, in (0, 1].
+        target: fraction of the headroom the run may grow into, in (0, 1] (checked as the finder's).
+            Its default is above the finder's 0.8 because it is a share of what is left after the
+            model and the runtime on every device, where the finder's is a share of an accelerator's
+            whole capacity.
         capacity: the memory to size for instead of the binding limit (bytes or ``"2GiB"``), counted
             as the figure above; the smaller of the two applies.
         max_batch_tokens: tokens per forward pass; default as in 2.
@@ -199,8 +202,7 @@ def size_continuous_batching(
     new_tokens = _max_new_tokens(gen)
     context = _context_length(model)
     lengths = _check_inputs(inputs, new_tokens, context)
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
-        raise ValueError(f"target must be a fraction in (0, 1], got {target!r}")
+    check_target(target)
     cap = None if capacity is None else parse_bytes(capacity)
     if max_batch_tokens is not None:
         positive_int("max_batch_tokens", max_batch_tokens)

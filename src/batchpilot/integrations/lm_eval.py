@@ -20,6 +20,7 @@ is collective, so a rank with more requests never leaves another waiting.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -32,7 +33,6 @@ from .._checks import positive_int
 from ..find.options import FindOptions
 from ..infer.ranks import exchange
 from ..infer.score import LengthScorer
-from ..policy.search import BatchSizeError
 from ._common import require
 
 require("lm_eval", "batchpilot.integrations.lm_eval")
@@ -79,11 +79,9 @@ class BatchpilotLM(HFLM):
         if batch_size not in (None, 1, "1") and not str(batch_size).startswith("auto"):
             logger.info("batch_size=%s ignored: batchpilot sizes each batch by its length (max_batch_size caps it)",
                         batch_size)
-        if isinstance(target, str):  # from --model_args
-            try:
+        if isinstance(target, str):  # from --model_args; what does not read as a number, FindOptions refuses
+            with contextlib.suppress(ValueError):
                 target = float(target)
-            except ValueError:
-                raise BatchSizeError(f"target must be a fraction of device memory in (0, 1], got {target!r}") from None
         options = FindOptions(**({} if target is None else {"target": target}), capacity=capacity)  # bad options fail before the model loads
         max_batch_size = None if max_batch_size is None else positive_int("max_batch_size", int(max_batch_size))
         super().__init__(pretrained, batch_size=1, max_batch_size=max_batch_size or 64, **kwargs)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._checks import positive_int
+from ..policy.search import DEFAULT_TARGET
 from .planner import estimate_peak_memory, plan_batch_size
 from .result import MemoryEstimate, PlanningError, PlanResult
 
@@ -276,7 +277,7 @@ def plan_generation(
     prompt_lengths: Iterable[int],
     new_tokens: Iterable[int],
     capacity: int | float | str,
-    target: float = 0.8,
+    target: float = DEFAULT_TARGET,
     device: Literal["cpu", "cuda"] | None = None,
     max_batch_size: int = 1 << 20,
     **kwargs: Any,

@@ -37,6 +37,7 @@ from ..core.compiled import eager_while_tracked
 from ..core.loss import as_loss_fn, forward_only, parse_loss
 from ..memory.tracker import StorageLedger, tensor_leaves, tensor_storages, watch_storage_resizes, wraps_subclass
 from ..memory.units import format_bytes, parse_bytes
+from ..policy.search import DEFAULT_TARGET, check_target
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .result import MemoryEstimate, PlanResult, PlanningError
 
@@ -722,7 +723,7 @@ def plan_batch_size(
     sample: Any,
     *,
     capacity: int | float | str,
-    target: float = 0.8,
+    target: float = DEFAULT_TARGET,
     optimizer: Any = None,
     loss_fn: Any = None,
     step_fn: StepFn | None = None,
@@ -748,7 +749,8 @@ def plan_batch_size(
         capacity: bytes, a size such as ``"24GiB"``, or a named GPU such as
             ``"H100-80GB"`` (see :data:`batchpilot.plan.gpus.GPUS`), which implies
             ``device="cuda"`` and that GPU's cuBLAS workspace.
-        target: fraction of ``capacity`` to fill, in (0, 1].
+        target: fraction of ``capacity`` to fill, in (0, 1] (the finder's default,
+            :data:`batchpilot.policy.search.DEFAULT_TARGET`).
         device: ``"cpu"`` or ``"cuda"``; default: ``"cuda"`` for a named GPU,
             else ``"cpu"``.
         accounting: CUDA constants; default :meth:`CudaAccounting.for_gpu`
@@ -767,8 +769,7 @@ def plan_batch_size(
     """
     start = time.perf_counter()
     cap, device, gpu = _resolve_capacity(capacity, device)
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
-        raise ValueError(f"target must be a fraction in (0, 1], got {target!r}; 0.6-0.8 leaves room for fragmentation")
+    check_target(target)
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
     if device == "cuda" and accounting is None:

@@ -9,6 +9,7 @@ tests share. How ``predict`` reasons: ``docs/internals.md#search``.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 import dataclasses
 from dataclasses import asdict, dataclass
@@ -24,6 +25,8 @@ __all__ = [
     "Outcome",
     "BatchSizeError",
     "NothingFitsError",
+    "DEFAULT_TARGET",
+    "check_target",
     "Trial",
     "TensorModel",
     "SearchSpace",
@@ -55,6 +58,33 @@ _OUTCOMES = (FIT, OVER_TARGET, OOM, REFUSED)
 
 class BatchSizeError(ValueError):
     """A batch-size search cannot run as asked (bad target, bounds or strategy)."""
+
+
+#: the fraction of the capacity a peak may use when no target is given: 60-80% leaves room for the
+#: allocator's fragmentation and for other processes
+DEFAULT_TARGET = 0.8
+
+
+def check_target(value: Any, *, below: float | None = None, bound: str = "", reason: str = "") -> float:
+    """``value`` as a target, the fraction of the capacity a peak may use: a number in (0, 1].
+
+    The one check of a target, whichever door it came in by (``FindOptions``, the engine, the
+    planner, the integrations, the command line). An entry point with a tighter bound of its own
+    passes it as ``below`` (exclusive), named by ``bound`` with ``reason`` saying why: the engine's
+    high-water mark, above which every grown micro-batch would count as memory pressure.
+
+    Raises:
+        BatchSizeError: not a number (a bool included), outside (0, 1], or not below ``below``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise BatchSizeError(
+            f"target must be a fraction of device memory in (0, 1], got {value!r}; "
+            "0.6-0.8 leaves room for fragmentation and other processes"
+        )
+    if below is not None and not value < below:
+        why = f", {reason}" if reason else ""
+        raise BatchSizeError(f"target {value} must be below {bound or 'the bound'} {below}{why}")
+    return float(value)
 
 
 class NothingFitsError(BatchSizeError, RuntimeError):

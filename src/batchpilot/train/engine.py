@@ -41,9 +41,10 @@ from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import trim_host_memory
 from ..memory.probes import emulated_capacity
 from ..memory.tracker import active_tracker
-from ..memory.units import parse_bytes, resolve_device
+from ..memory.units import resolve_device
 from ..policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
 from ..policy.schedule import BatchSchedule, SchedulePoint, parse_schedule
+from ..policy.search import BatchSizeError, check_target
 from ..policy.speed import SPEED_TOLERANCE, SplitChoice, check_speed_tolerance
 from .adapt import MicroBatcher
 from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
@@ -95,7 +96,8 @@ class EngineConfig:
         split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
 
     Raises:
-        ValueError: a value out of range, or ``capacity`` and ``find.capacity`` that disagree.
+        ValueError: a value out of range; ``capacity`` unreadable or disagreeing with ``find.capacity``
+            (:class:`~batchpilot.policy.search.BatchSizeError`, as ``FindOptions`` raises).
         TypeError: ``find`` is not a :class:`~batchpilot.find.options.FindOptions`.
     """
 
@@ -119,18 +121,19 @@ class EngineConfig:
             raise ValueError(f"backoff must be a number >= 1, got {self.backoff!r}")
         if not (isinstance(self.high_water, numbers.Real) and 0 < self.high_water <= 1):
             raise ValueError(f"high_water must be a fraction of capacity in (0, 1], got {self.high_water!r}")
-        if self.capacity is not None:
-            self.capacity = parse_bytes(self.capacity)
         if not isinstance(self.find, FindOptions):
             raise TypeError(f"find must be a batchpilot.FindOptions, got {type(self.find).__name__}: "
                             "EngineConfig(find=FindOptions(max_trials=9))")
         if self.capacity is not None:
-            if self.find.capacity is not None and self.find.capacity != self.capacity:
-                raise ValueError(
-                    f"capacity={self.capacity} and find.capacity={self.find.capacity} disagree: give the capacity "
+            # a door to the finder's options: FindOptions reads the size, and the search gets it too
+            capacity = FindOptions.build(capacity=self.capacity).capacity
+            if self.find.capacity is not None and self.find.capacity != capacity:
+                raise BatchSizeError(
+                    f"capacity={capacity} and find.capacity={self.find.capacity} disagree: give the capacity "
                     "once (capacity sizes the engine and its search; find.capacity alone, the search only)"
                 )
-            self.find = FindOptions.build(self.find, capacity=self.capacity)
+            self.capacity = capacity
+            self.find = FindOptions.build(self.find, capacity=capacity)
         if self.split not in ("time", "fewest"):
             raise ValueError(f"split must be 'time' or 'fewest', got {self.split!r}")
         self.split_margin = check_speed_tolerance(self.split_margin)
@@ -288,8 +291,8 @@ class Engine:
     Raises:
         ValueError: a batch size that is not a positive int, a global batch that does not
             divide by the world size (the message suggests the nearest that do), a fixed
-            micro-batch larger than the per-rank batch, ``target`` outside (0, 1) or not below
-            ``config.high_water``, an unknown ``amp``, a ``start`` with a fixed micro-batch, a
+            micro-batch larger than the per-rank batch, ``target`` outside (0, 1] or not below
+            ``config.high_water`` (a :class:`~batchpilot.policy.search.BatchSizeError`), an unknown ``amp``, a ``start`` with a fixed micro-batch, a
             schedule that follows the noise scale with ``noise=False``, ``lengths`` with a fixed
             micro-batch, or an int ``start``.
         TypeError: ``loss_fn`` is not callable, ``noise`` or ``schedule`` of the wrong type, a
@@ -353,20 +356,16 @@ class Engine:
                 raise ValueError('start only applies to micro_batch_size="auto"')
             self.fixed = True
         find = self.config.find
-        if target is None:
-            target = find.target
-        elif "target" in find.changed() and find.target != target:
-            raise ValueError(
+        if target is not None and "target" in find.changed() and find.target != target:
+            raise BatchSizeError(
                 f"target={target} and config.find.target={find.target} disagree: give the target once "
                 "(Engine(target=) is the finder's target too)"
             )
-        if not (isinstance(target, numbers.Real) and 0 < target < 1):
-            raise ValueError(f"target must be a fraction of capacity in (0, 1), got {target!r}")
-        if target >= self.config.high_water:
-            raise ValueError(
-                f"target {target} must be below config.high_water {self.config.high_water}, "
-                "or every grown micro-batch would count as memory pressure"
-            )
+        # Engine(target=) is a door to the finder's options: FindOptions checks it, and the engine
+        # adds its own bound, the high-water mark (a grown micro-batch aimed above it is pressure)
+        find = find if target is None else FindOptions.build(find, target=target)
+        target = check_target(find.target, below=self.config.high_water, bound="config.high_water",
+                              reason="or every grown micro-batch would count as memory pressure")
         if grad_clip is not None and not (isinstance(grad_clip, numbers.Real) and grad_clip > 0):
             raise ValueError(f"grad_clip must be a positive max norm, got {grad_clip!r}")
         self.model = model

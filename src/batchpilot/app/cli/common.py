@@ -11,7 +11,7 @@ import torch
 from ...core.amp import AMP_MODES
 from ...find.options import FindOptions, option_default, option_help
 from ...memory.units import parse_bytes, resolve_device
-from ...policy.search import STRATEGIES
+from ...policy.search import STRATEGIES, BatchSizeError, check_target
 from ...policy.speed import OBJECTIVES
 from ..trainjob import OPTIMIZERS
 
@@ -20,6 +20,7 @@ __all__ = [
     "positive_int",
     "non_negative_int",
     "fraction",
+    "target_fraction",
     "speed_fraction",
     "positive_float",
     "byte_size",
@@ -79,6 +80,18 @@ def fraction(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def target_fraction(text: str) -> float:
+    """argparse type: a target, checked as every door checks it (:func:`batchpilot.policy.search.check_target`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    try:
+        return check_target(value)
+    except BatchSizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def speed_fraction(text: str) -> float:
@@ -177,7 +190,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 #: The flag names are a contract (docs/cli.md). Options without a flag: ``first_guess``
 #: (``--plan-first`` seeds it), ``max_trials``, ``tolerance``, ``snapshot``.
 FIND_FLAGS: dict[str, dict[str, Any]] = {
-    "target": dict(metavar="FRACTION", type=fraction),
+    "target": dict(metavar="FRACTION", type=target_fraction),
     "capacity": dict(metavar="SIZE", type=byte_size),
     "strategy": dict(choices=tuple(STRATEGIES)),
     "min_batch_size": dict(metavar="N", type=positive_int),
@@ -226,7 +239,7 @@ def find_options_of(args: argparse.Namespace, names: Iterable[str] = FIND_FLAGS)
 def add_fit_options(parser: argparse.ArgumentParser) -> None:
     """``--target`` and ``--max-batch-size`` of the planner (``batchpilot plan``), the finder's defaults."""
     parser.add_argument(
-        "--target", metavar="FRACTION", type=fraction, default=option_default("target"),
+        "--target", metavar="FRACTION", type=target_fraction, default=option_default("target"),
         help="use at most this fraction of the capacity, in (0, 1] (default: %(default)s)",
     )
     parser.add_argument("--max-batch-size", metavar="N", type=positive_int, default=None,
