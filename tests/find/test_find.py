@@ -293,6 +293,39 @@ def test_a_step_slicing_a_dataset_tensor_gets_one_answer_whatever_the_order_of_t
     assert len(peaks) == 1 and peaks.pop() <= 0.8 * parse_bytes("40MiB")
 
 
+def test_a_trial_that_reads_the_whole_dataset_tensor_leaves_no_charge_for_later_trials():
+    # a trial at the dataset's length reads all of X: X is still host data, charged by that trial
+    # only. Charged as the step's own memory from then on, it made every later trial pay for all of
+    # X: the answer then depended on whether a search (its first guess, its policy) ever got there
+    torch.manual_seed(0)
+    n = 2048
+    X, Y = torch.randn(n, 512), torch.randint(0, 10, (n,))
+    model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(b: int) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[:b]), Y[:b]).backward()
+        opt.step()
+
+    kw = dict(capacity="12MiB", device="cpu", restore=(model, opt), max_batch_size=n)
+    # an earlier search with room for all of X, then searches from every side of the answer
+    assert find_batch_size(step, **{**kw, "capacity": "40MiB"}).batch_size == n
+    plans = [find_batch_size(step, first_guess=guess, **kw) for guess in (None, n, 300, 1700, 1900)]
+    answers = [p.batch_size for p in plans]
+    assert answers == [answers[0]] * len(plans), answers
+    assert n // 2 < answers[0] < n
+    # the user's own step at the full size before searching (Adam's state then exists) changes nothing
+    step(n)
+    assert find_batch_size(step, first_guess=n, **kw).batch_size == answers[0]
+    # one figure per size, whatever ran before it
+    peaks: dict[int, set[int]] = {}
+    for p in plans:
+        for t in p.trials:
+            peaks.setdefault(t.batch_size, set()).add(t.peak_bytes)
+    assert all(len(v) == 1 for v in peaks.values()), {b: v for b, v in peaks.items() if len(v) > 1}
+
+
 # ---------------------------------------------------------------------------
 # planner-seeded search (plan_first)
 

@@ -36,15 +36,25 @@ def test_host_data_is_charged_by_the_widest_view_then_forgotten():
     data = torch.zeros(1000)  # 4000 bytes of a dataset
     st = data.untyped_storage()
     ledger.charge_view(st, data[:10])
-    assert (ledger.live, ledger.is_partial(id(st))) == (40, True)
+    assert (ledger.live, ledger.is_host(id(st))) == (40, True)
     ledger.charge_view(st, data[:5])  # a narrower view changes nothing
     ledger.charge_view(st, data[:100])
-    assert ledger.live == 400
-    assert ledger.forget_partial() == 400 and ledger.live == 0 and ledger.size(id(st)) is None
-    ledger.charge_view(st, data)  # read whole: charged whole, no longer partial
-    assert (ledger.live, ledger.is_partial(id(st))) == (4000, False)
+    assert (ledger.live, ledger.host_bytes) == (400, 400)
+    assert ledger.forget_host() == 400 and ledger.live == 0 and ledger.size(id(st)) is None
+    ledger.charge_view(st, data)  # read whole: charged whole, and still host data
+    assert (ledger.live, ledger.is_host(id(st))) == (4000, True)
+    assert ledger.forget_host() == 4000 and ledger.live == 0
+
+
+def test_a_storage_charged_whole_is_no_host_data_and_outlives_forget_host():
+    ledger = StorageLedger()
+    data = torch.zeros(1000)
+    st = data.untyped_storage()
+    ledger.charge_view(st, data[:10])
+    ledger.charge(st, st.nbytes())  # tracked whole (a model's tensor): the step's own memory
+    assert (ledger.live, ledger.is_host(id(st)), ledger.host_bytes) == (4000, False, 0)
     ledger.charge_view(st, data[:1])  # a storage charged whole stays as it is
-    assert ledger.forget_partial() == 0 and ledger.live == 4000
+    assert ledger.forget_host() == 0 and ledger.live == 4000
 
 
 def test_tensor_leaves_are_tree_flattens_tensors_for_what_operators_take_and_return():

@@ -45,9 +45,11 @@ class StorageLedger:
     A storage is new the first time it is charged, and a weakref then releases it when the
     storage is freed (``on_release(key, nbytes)`` hears it); charged again at another size
     (``resize_``, or a wider view of host data) it changes by the difference. A storage charged
-    for less than its size is *partial*: host data seen through views (:meth:`charge_view`),
-    which :meth:`forget_partial` drops. The peak moves only at :meth:`bump_peak`, so a caller
-    charging several storages for one operator raises it once, after all of them.
+    through views (:meth:`charge_view`) is *host data*, charged by the part the widest view
+    covers -- all of it, when a view spans the whole storage -- and stays host data until it is
+    charged whole by :meth:`charge`; :meth:`forget_host` drops it. The peak moves only at
+    :meth:`bump_peak`, so a caller charging several storages for one operator raises it once,
+    after all of them.
 
     Args:
         lock: held while a freed storage is released (the weakref callback may run on any
@@ -61,7 +63,7 @@ class StorageLedger:
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
-        self._partial: set[int] = set()
+        self._host: set[int] = set()
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._on_release = on_release
 
@@ -69,50 +71,53 @@ class StorageLedger:
         """The bytes charged for the storage ``id(storage) == key``; ``None`` when it is not in the ledger."""
         return self._sizes.get(key)
 
-    def is_partial(self, key: int) -> bool:
-        """Whether that storage is charged for less than its size (host data seen through views)."""
-        return key in self._partial
+    def is_host(self, key: int) -> bool:
+        """Whether that storage is host data, charged through the views read of it (:meth:`charge_view`)."""
+        return key in self._host
 
     def charge(self, st: torch.UntypedStorage, nbytes: int) -> int:
-        """Charge ``st`` ``nbytes`` (its size, or the part a view covers); the change in live bytes."""
+        """Charge ``st`` ``nbytes``, as memory of its own (no host data); the change in live bytes."""
+        self._host.discard(id(st))
+        return self._set(st, nbytes)
+
+    def _set(self, st: torch.UntypedStorage, nbytes: int) -> int:
         key = id(st)
         old = self._sizes.get(key)
         if old is None:
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._release(k))
             old = 0
         self._sizes[key] = nbytes
-        if nbytes < st.nbytes():
-            self._partial.add(key)
-        else:
-            self._partial.discard(key)
         self.live += nbytes - old
         return nbytes - old
 
     def charge_view(self, st: torch.UntypedStorage, view: torch.Tensor) -> None:
         """Charge host data ``st`` by the bytes ``view`` covers; a wider view later charges up to it.
 
-        A storage charged whole is left as it is (it is no host data).
+        A view spanning the whole storage charges all of it and leaves it host data: what it is
+        does not depend on how much of it was read. A storage charged whole by :meth:`charge`
+        (a step's own memory) is left as it is.
         """
         key = id(st)
         old = self._sizes.get(key)
-        if old is not None and key not in self._partial:
+        if old is not None and key not in self._host:
             return
         covered = min(st.nbytes(), view_extent(view))
         if old is None or covered > old:
-            self.charge(st, covered)
+            self._set(st, covered)
+            self._host.add(key)
 
     @property
-    def partial_bytes(self) -> int:
-        """Bytes charged for partial storages (host data seen through views)."""
-        return sum(self._sizes.get(key, 0) for key in self._partial)
+    def host_bytes(self) -> int:
+        """Bytes charged for host data (storages charged through views)."""
+        return sum(self._sizes.get(key, 0) for key in self._host)
 
-    def forget_partial(self) -> int:
-        """Drop every partial storage from the ledger (no release is heard); the bytes dropped."""
+    def forget_host(self) -> int:
+        """Drop every storage of host data from the ledger (no release is heard); the bytes dropped."""
         freed = 0
-        for key in list(self._partial):
+        for key in list(self._host):
             freed += self._sizes.pop(key, 0)
             self._refs.pop(key, None)
-        self._partial.clear()
+        self._host.clear()
         self.live -= freed
         return freed
 
@@ -129,7 +134,7 @@ class StorageLedger:
     def _release(self, key: int) -> None:
         with self._lock:
             self._refs.pop(key, None)
-            self._partial.discard(key)
+            self._host.discard(key)
             nbytes = self._sizes.pop(key, None)
             if nbytes is None:
                 return
@@ -205,7 +210,7 @@ class StorageTracker(TorchDispatchMode):
     def host_view_bytes(self) -> int:
         """The part of :attr:`live` that is host data seen through views (see :meth:`forget_host_views`)."""
         with self._lock:
-            return self._ledger.partial_bytes
+            return self._ledger.host_bytes
 
     def _released(self, key: int, nbytes: int) -> None:
         if threading.get_ident() == self._home:
@@ -255,7 +260,7 @@ class StorageTracker(TorchDispatchMode):
         charge is dropped, so each run pays for its own slice and not for the widest one before it.
         """
         with self._lock:
-            return self._ledger.forget_partial()
+            return self._ledger.forget_host()
 
     def track(self, *objs: Any) -> StorageTracker:
         """Count tensors that already exist: modules, optimizers, tensors, or containers of them."""
@@ -415,7 +420,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _is_host(self, t: Any) -> bool:
         st = self._storage(t)
-        return st is not None and (self._ledger.size(id(st)) is None or self._ledger.is_partial(id(st)))
+        return st is not None and (self._ledger.size(id(st)) is None or self._ledger.is_host(id(st)))
 
     def _charge_host_views(self, leaves: Iterable[Any]) -> None:
         """Count tensors that existed before the tracker by the bytes each view covers.
