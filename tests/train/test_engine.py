@@ -231,9 +231,12 @@ def test_a_float64_model_trains_exactly_with_accumulation(noise):
     model, opt = make("mlp")
     model.double()
     data = [(x.double(), y) for x, y in batches(model, 32, 4)]
+    ref_losses = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        ref_losses.append(loss.detach())
         opt.step()
     ref = params(model)
     model, opt = make("mlp")
@@ -244,6 +247,9 @@ def test_a_float64_model_trains_exactly_with_accumulation(noise):
     assert all(p.dtype == torch.float64 for p in model.parameters())
     assert all((r.noise is None) == (noise is None) for r in results)
     assert_params_close(params(model), ref, rtol=1e-12, atol=1e-12)
+    # the reported loss keeps the model's precision: float32 would be ~1e-7 off
+    assert all(r.loss_tensor.dtype == torch.float64 for r in results)
+    torch.testing.assert_close([r.loss_tensor for r in results], ref_losses, rtol=1e-13, atol=1e-13)
 
 
 def test_a_float64_model_with_a_sum_and_count_loss_is_divided_by_the_count_in_float64():
@@ -257,17 +263,29 @@ def test_a_float64_model_with_a_sum_and_count_loss_is_divided_by_the_count_in_fl
     model.double()
     # a quarter of the labels ignored: 22 of 30 count, and 30 / 22 is no float32
     data = [(x.double(), y.index_fill(0, torch.arange(0, 30, 4), -100)) for x, y in batches(model, 30, 3)]
+    ref_losses = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        ref_losses.append(loss.detach())
         opt.step()
     ref = params(model)
     model, opt = make("mlp")
     model.double()
     eng = Engine(model, opt, sum_count, global_batch_size=30, micro_batch_size=7)
-    for b in data:
-        eng.step(b)
+    results = [eng.step(b) for b in data]
+    assert [r.micro_batch_sizes for r in results] == [(7, 7, 7, 7, 2)] * 3
     assert_params_close(params(model), ref, rtol=1e-12, atol=1e-12)
+    assert all(r.loss_tensor.dtype == torch.float64 for r in results)
+    torch.testing.assert_close([r.loss_tensor for r in results], ref_losses, rtol=1e-13, atol=1e-13)
+
+
+def test_a_bf16_autocast_loss_is_reported_in_float32():
+    # the sum of the micro-batches' losses is at least float32, whatever autocast computed them in
+    model, opt = make("mlp")
+    eng = Engine(model, opt, lambda m, b: CE(m, b).bfloat16(), global_batch_size=16, micro_batch_size=4)
+    assert eng.step(next(batches(model, 16, 1))).loss_tensor.dtype == torch.float32
 
 
 def test_fp16_scaler_skips_inf_steps_and_checkpoints():

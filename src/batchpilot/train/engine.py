@@ -144,8 +144,9 @@ class StepResult:
     """What one :meth:`Engine.step` did.
 
     Attributes:
-        loss_tensor: the loss over the whole batch (0-dim, detached, on the device); for
-            ``(sum, count)`` losses this rank's sum over this rank's count.
+        loss_tensor: the loss over the whole batch (0-dim, detached, on the device), in the
+            loss's dtype or float32 if that is narrower (a float64 model's loss stays float64);
+            for ``(sum, count)`` losses this rank's sum over this rank's count.
         micro_batch_size: the micro-batch of the attempt that succeeded.
         accum_steps: micro-batches in that attempt on this rank (the last may be smaller).
         samples: samples in this rank's batch (dim 0); the global batch is ``world`` times that.
@@ -1013,8 +1014,9 @@ class Engine:
                 if meter is not None:
                     meter.after_backward(i, size, c if kind == "sum" else None, self._params)
             del out, loss, scaled, mb
-            if term.dtype != torch.float32:
-                term = term.float()
+            # summed in the loss's own precision, at least float32: a float64 model's loss stays
+            # float64, a bf16 / fp16 one (autocast) is not summed in 8 or 11 bits of mantissa
+            term = term.to(torch.promote_types(term.dtype, torch.float32))
             total = term if total is None else total + term
         assert total is not None and mode is not None
         return _Accumulated(loss=total, count=count, mode=mode, sizes=sizes)
