@@ -82,10 +82,11 @@ def main(out: Path) -> None:
     class Resilient(ResilientModule, Plain):
         step_ooms: list[int]
         step_micro: list[int]
+        step_sizes: list[list[int]]
 
         def __init__(self) -> None:
             super().__init__()
-            self.step_ooms, self.step_micro = [], []
+            self.step_ooms, self.step_micro, self.step_sizes = [], [], []
 
         def compute_loss(self, batch):
             x, y = batch
@@ -97,6 +98,7 @@ def main(out: Path) -> None:
         def on_train_batch_end(self, outputs, batch, batch_idx):
             self.step_ooms.append(self.batchpilot_last_step.ooms)
             self.step_micro.append(self.batchpilot_last_step.micro_batch_size)
+            self.step_sizes.append(list(self.batchpilot_last_step.micro_batch_sizes))
 
     for name, cls in (("auto", Plain), ("resilient", Resilient)):
         module = cls()
@@ -125,6 +127,7 @@ def main(out: Path) -> None:
             doc["engine"] = {"describe": engine.describe(), "global_batch_size": engine.global_batch_size,
                              "steps": engine.steps, "micro_batch_size": engine.micro_batch_size}
             doc["step_ooms"], doc["step_micro"] = module.step_ooms, module.step_micro
+            doc["step_sizes"] = module.step_sizes
             doc["engine_start"] = None if setup.plan is None else setup.plan.batch_size
         (out / f"{name}_rank{rank}.json").write_text(json.dumps(doc))
         torch.save([p.detach().clone() for p in module.net.parameters()], out / f"{name}_rank{rank}.pt")

@@ -21,24 +21,26 @@ FRAMEWORKS = ("lightning", "transformers", "accelerate", "lm_eval")
     ("found", "world", "global_", "accum", "whole", "expected"),
     [
         # a global batch, equal micro-batches (Lightning / HF / Accelerate accumulation)
-        (47, 1, 256, 1, True, (32, 8, 256, 32)),
-        (47, 2, 256, 1, True, (32, 4, 128, 32)),
-        (500, 2, 256, 1, True, (128, 1, 128, 128)),
-        # a global batch, the engine's balanced micro-batches (a smaller last one when needed)
-        (65, 1, 128, 1, False, (64, 2, 128, 64)),
-        (50, 1, 128, 1, False, (43, 3, 128, 42)),
-        (39, 2, 128, 1, False, (32, 2, 64, 32)),
-        (200, 1, 128, 1, False, (128, 1, 128, 128)),
+        (47, 1, 256, 1, True, (32, 8, 256, (32,) * 8)),
+        (47, 2, 256, 1, True, (32, 4, 128, (32,) * 4)),
+        (500, 2, 256, 1, True, (128, 1, 128, (128,))),
+        # a global batch, the engine's balanced micro-batches, as Engine.step cuts them
+        (65, 1, 128, 1, False, (64, 2, 128, (64, 64))),
+        (50, 1, 128, 1, False, (43, 3, 128, (43, 43, 42))),
+        (39, 2, 128, 1, False, (32, 2, 64, (32, 32))),
+        (200, 1, 128, 1, False, (128, 1, 128, (128,))),
+        # 35 micro-batches: 22 of 15 and 13 of 14 (not 34 of 15 and a last one of 2)
+        (15, 1, 512, 1, False, (15, 35, 512, (15,) * 22 + (14,) * 13)),
         # no global batch: the micro-batch found, the accumulation kept
-        (47, 2, None, 3, True, (47, 3, 141, 47)),
-        (47, 1, None, 1, False, (47, 1, 47, 47)),
+        (47, 2, None, 3, True, (47, 3, 141, (47,) * 3)),
+        (47, 1, None, 1, False, (47, 1, 47, (47,))),
     ],
 )
 def test_choose_batches(found, world, global_, accum, whole, expected):
-    micro, steps, per_rank, last = choose_batches(found, world_size=world, global_batch_size=global_,
-                                                  accum_steps=accum, whole_micro_batches=whole)
-    assert (micro, steps, per_rank, last) == expected
-    assert micro <= found and (steps - 1) * micro + last == per_rank
+    micro, steps, per_rank, sizes = choose_batches(found, world_size=world, global_batch_size=global_,
+                                                   accum_steps=accum, whole_micro_batches=whole)
+    assert (micro, steps, per_rank, sizes) == expected
+    assert micro <= found and sum(sizes) == per_rank and len(sizes) == steps
     if global_ is not None:
         assert per_rank * world == global_
 
@@ -98,11 +100,23 @@ def test_sizing_options_give_the_finder_the_tighter_limit():
 
 def test_batch_setup_describes_itself_and_is_json():
     s = BatchSetup(micro_batch_size=43, accum_steps=3, world_size=2, global_batch_size=256, per_rank_batch_size=128,
-                   last_micro_batch_size=42, found_batch_size=50, limited_by_rank=1, lr_base_size=64, lr_rule="sqrt",
-                   lr_factor=2.0, learning_rates=(2e-3,))
-    assert s.describe() == "global 256 = micro 43 × world 2 × accum 3 (last micro-batch 42); lr × 2 (sqrt from 64)"
+                   micro_batch_sizes=[43, 43, 42], found_batch_size=50, limited_by_rank=1, lr_base_size=64,
+                   lr_rule="sqrt", lr_factor=2.0, learning_rates=(2e-3,))
+    assert s.describe() == "global 256 = micro 43 × world 2 × accum 3 (2 of 43, 1 of 42); lr × 2 (sqrt from 64)"
     doc = json.loads(json.dumps(s.to_dict()))
     assert doc["plan"] is None and doc["learning_rates"] == [2e-3] and doc["limited_by_rank"] == 1
+    assert doc["micro_batch_sizes"] == [43, 43, 42] and s.micro_batch_sizes == (43, 43, 42)
+    equal = BatchSetup(micro_batch_size=16, accum_steps=4, world_size=1, global_batch_size=64, per_rank_batch_size=64,
+                       micro_batch_sizes=(16,) * 4, lr_base_size=64, lr_rule="none")
+    assert equal.describe() == "global 64 = micro 16 × world 1 × accum 4"
+
+
+@pytest.mark.parametrize("sizes", [(14,) * 13 + (15,) * 22, (15,) * 35, (15,) * 34, ()])
+def test_batch_setup_refuses_micro_batches_that_are_not_its_step(sizes):
+    # the sizes must be the step: accum_steps of them, the first the largest, summing to the per-rank batch
+    with pytest.raises(ValueError, match="micro_batch_sizes"):
+        BatchSetup(micro_batch_size=15, accum_steps=35, world_size=1, global_batch_size=512, per_rank_batch_size=512,
+                   micro_batch_sizes=sizes, lr_base_size=512, lr_rule="none")
 
 
 def test_importing_the_package_imports_no_framework():

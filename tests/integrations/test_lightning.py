@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import traceback
 import warnings
 from pathlib import Path
 
@@ -20,8 +21,12 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_job as job  # noqa: E402  (tests/helpers)
 from dist_launch import torchrun  # noqa: E402
 
-from batchpilot.integrations.lightning import BatchSizeCallback, ResilientModule  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+from batchpilot.integrations.lightning import BatchSizeCallback, NothingFitsException, ResilientModule  # noqa: E402
 from batchpilot.memory.probes import emulate_capacity  # noqa: E402
+from batchpilot.policy.search import NothingFitsError  # noqa: E402
+from batchpilot.train.engine import EngineConfig  # noqa: E402
 from batchpilot.train.batching import scale_lr  # noqa: E402
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -70,7 +75,8 @@ def check_job(out: Path, world: int) -> None:
                         "lr_factor", "learning_rates"):
                 assert s[key] == setups[0][key], (name, key, setups)
         s = setups[0]
-        assert s["global_batch_size"] == job.GLOBAL == s["micro_batch_size"] * world * s["accum_steps"]
+        assert s["global_batch_size"] == job.GLOBAL == sum(s["micro_batch_sizes"]) * world
+        assert len(s["micro_batch_sizes"]) == s["accum_steps"] and s["micro_batch_sizes"][0] == s["micro_batch_size"]
         assert s["world_size"] == world
         # the answer is the smallest rank's: rank world-1 has the smallest emulated device
         assert s["limited_by_rank"] == world - 1
@@ -90,6 +96,8 @@ def check_job(out: Path, world: int) -> None:
     for d in docs["resilient"]:  # the dataloader gives the whole share; the engine accumulates
         s = d["setup"]
         assert d["accumulate_grad_batches"] == 1 and d["batch_size_attr"] == job.GLOBAL // world
+        # what the callback reports is what the engine ran in its first step
+        assert s["micro_batch_sizes"] == d["step_sizes"][0]
         assert d["engine"]["global_batch_size"] == job.GLOBAL and d["engine"]["steps"] == job.MAX_STEPS
         # the injected OOM in step OOM_STEP was retried at a smaller micro-batch; no step lost
         ooms = d["step_ooms"]
@@ -279,6 +287,76 @@ def test_resilient_module_alone_searches_on_its_first_batch_and_resumes_from_a_c
     # no second search: the engine resumed at the saved micro-batch
     assert resumed.batchpilot_engine.plan is None and resumed.batchpilot_last_step.micro_batch_size == micro
     assert t2.global_step == 3
+
+
+class LoggingPooled(ResilientModule, Pooled):
+    """A user's habit carried over from training_step: ``self.log("train_loss", ...)`` in compute_loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+        self.ran: list[tuple[int, ...]] = []  # the micro-batches compute_loss saw in each training step
+
+    def compute_loss(self, batch):
+        h = self.net(batch["x"]) * batch["mask"][..., None]
+        loss = F.cross_entropy(h.sum(1) / batch["mask"].sum(1, keepdim=True), batch["y"])
+        self.log("train_loss", loss, prog_bar=True)
+        self.seen.append(len(batch["y"]))
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        self.seen = []
+        out = super().training_step(batch, batch_idx)
+        self.ran.append(tuple(self.seen))
+        return out
+
+
+def test_the_module_logs_its_own_train_loss_and_the_callback_reports_the_engines_unequal_micro_batches():
+    data, module = PaddedData(), LoggingPooled()
+    cb = BatchSizeCallback(capacity="64KiB", global_batch_size=61)  # 61 is prime: the micro-batches are unequal
+    t = trainer(callbacks=[cb], max_steps=2)
+    t.fit(module, datamodule=data)
+    assert t.global_step == 2 and data.batch_size == 61
+    s = cb.setup
+    assert 1 < s.found_batch_size < 61 and len(set(module.ran[0])) == 2  # e.g. 13 + 12 × 4
+    # what the callback returns and logs is what compute_loss really ran, not 15 × 4 plus a last of 1
+    assert s.micro_batch_sizes == module.ran[0] == module.batchpilot_last_step.micro_batch_sizes
+    assert (s.micro_batch_size, s.accum_steps, sum(s.micro_batch_sizes)) == (max(module.ran[0]), len(module.ran[0]), 61)
+    assert s.describe().startswith(f"global 61 = micro {s.micro_batch_size} × world 1 × accum {s.accum_steps} (")
+    # the user's metric and the mixin's, side by side
+    metrics = t.callback_metrics
+    assert "train_loss" in metrics and "batchpilot/loss" in metrics
+    assert metrics["batchpilot/micro_batch_size"] == module.ran[-1][0]
+    assert metrics["batchpilot/accum_steps"] == len(module.ran[-1])
+
+
+class Tiny(ResilientModule, Pooled):
+    engine_options = {"config": EngineConfig(capacity="2KiB")}
+
+    def compute_loss(self, batch):
+        h = self.net(batch["x"]) * batch["mask"][..., None]
+        return F.cross_entropy(h.sum(1) / batch["mask"].sum(1, keepdim=True), batch["y"])
+
+
+@pytest.mark.parametrize("who", ["BatchSizeCallback", "ResilientModule"])
+def test_nothing_fits_reaches_the_user_as_one_message_in_lightnings_style(who):
+    if who == "BatchSizeCallback":
+        t, module, hook = trainer(callbacks=[BatchSizeCallback(capacity="2KiB")]), Pooled(), "on_fit_start"
+    else:
+        t, module, hook = trainer(), Tiny(), "_batchpilot_build"
+    with pytest.raises(NothingFitsException) as info:
+        t.fit(module, datamodule=PaddedData())
+    exc = info.value
+    # the finder's type and figures are kept, as Lightning's MisconfigurationException
+    assert isinstance(exc, NothingFitsError) and isinstance(exc, MisconfigurationException)
+    assert exc.batch_size == 1 and exc.capacity_bytes == 2048 and exc.limit_bytes < 2048
+    assert str(exc).startswith(f"{who}: nothing fits on cpu: batch size 1") and "use a smaller model" in str(exc)
+    # one traceback, ending in the integration's hook: no chained OOMs, no frames of the finder
+    text = "".join(traceback.format_exception(exc))
+    assert text.count("Traceback (most recent call last)") == 1 and "During handling" not in text
+    frames = traceback.extract_tb(exc.__traceback__)
+    assert frames[-1].name == hook and not any("batchpilot/find" in f.filename for f in frames)
+    assert text.rstrip().endswith(f"NothingFitsException: {exc}")
 
 
 def test_resilient_module_refuses_automatic_optimization_and_explains_compute_loss():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -252,7 +253,7 @@ class Recording(ResilientTrainer):
         return loss
 
 
-def test_configure_batch_size_then_resilient_trainer_runs_the_micro_batch_the_finder_found(tmp_path):
+def test_configure_batch_size_then_resilient_trainer_runs_the_micro_batch_the_finder_found(tmp_path, caplog):
     # the README's pairing. The plain Trainer needs a divisor of the per-rank batch (63 where 32 fit:
     # 21), but ResilientTrainer's engine cuts a smaller last micro-batch, so it starts at the answer
     capacity = 6 * 2**20
@@ -269,15 +270,22 @@ def test_configure_batch_size_then_resilient_trainer_runs_the_micro_batch_the_fi
         a = args(tmp_path / str(global_), per_device_train_batch_size=4, gradient_accumulation_steps=1,
                  max_steps=2)
         model = gpt2()
-        setup = configure_batch_size(a, model, Tokens(ragged=True), data_collator=pad, global_batch_size=global_,
-                                     capacity=capacity)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="batchpilot.integrations.transformers"):
+            setup = configure_batch_size(a, model, Tokens(ragged=True), data_collator=pad,
+                                         global_batch_size=global_, capacity=capacity)
         assert a.batchpilot_setup is setup and setup.found_batch_size <= largest
+        # what was written into the arguments: a plain Trainer's equal micro-batches
+        assert setup.micro_batch_sizes == (a.per_device_train_batch_size,) * a.gradient_accumulation_steps
         with emulate_capacity(capacity, track=(model,)):
             t = Recording(model=model, args=a, train_dataset=Tokens(ragged=True), data_collator=pad)
             t.runs = []
             t.train()
         assert t.state.global_step == 2 and t.batchpilot_engine.global_batch_size == global_
         assert [ooms for _, ooms in t.runs] == [0, 0]
+        # configure_batch_size's log says what the ResilientTrainer then ran, unequal micro-batches included
+        ran_sizes = t.batchpilot_last_step.micro_batch_sizes
+        assert f"a ResilientTrainer on them runs {setup.with_micro_batches(ran_sizes).describe()}" in caplog.text
         micro = {m for m, _ in t.runs}
         assert len(micro) == 1
         ran[global_] = micro.pop()

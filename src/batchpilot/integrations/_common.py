@@ -5,18 +5,18 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
 from .._checks import positive_int
 from ..find.options import FindOptions
 from ..find.result import BatchPlan
-from ..policy.microbatch import efficient_size
+from ..policy.microbatch import accum_steps as micro_batches, balanced_sizes
 from ..policy.schedule import LR_SCALE_RULES
 from ..train.batching import BatchConfig, config_for_limit, is_adaptive
 
-__all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "lr_rule_for"]
+__all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "count_sizes", "lr_rule_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +84,21 @@ class SizingOptions:
 class BatchSetup:
     """The batch sizes an integration chose, and the learning rate that follows from them.
 
-    ``global_batch_size == per_rank_batch_size × world_size``, and each rank's batch is
-    ``accum_steps`` micro-batches of ``micro_batch_size`` (the last one smaller when
-    ``last_micro_batch_size`` says so).
+    ``global_batch_size == per_rank_batch_size × world_size``, and each rank's batch is the
+    ``micro_batch_sizes`` in turn: ``accum_steps`` equal micro-batches of ``micro_batch_size`` for
+    a framework's own accumulation, or batchpilot's engine's balanced ones (512 under 15:
+    22 of 15 and 13 of 14), which differ by one sample.
 
     Attributes:
-        micro_batch_size: samples per forward and backward pass on one device.
+        micro_batch_size: samples per forward and backward pass on one device (the largest
+            micro-batch).
         accum_steps: micro-batches per optimizer step on each rank.
         world_size: data-parallel ranks.
         global_batch_size: samples per optimizer step over all ranks.
         per_rank_batch_size: samples per optimizer step on one rank.
-        last_micro_batch_size: the size of each rank's last micro-batch.
+        micro_batch_sizes: the samples of each micro-batch of one rank's step, in order; their
+            sum is ``per_rank_batch_size``, their count ``accum_steps``, the first
+            ``micro_batch_size``.
         found_batch_size: the finder's per-device answer, agreed over ranks (``None`` when no
             search ran).
         limited_by_rank: the rank whose memory set ``found_batch_size``.
@@ -110,7 +114,7 @@ class BatchSetup:
     world_size: int
     global_batch_size: int
     per_rank_batch_size: int
-    last_micro_batch_size: int
+    micro_batch_sizes: tuple[int, ...]
     found_batch_size: int | None = None
     limited_by_rank: int | None = None
     lr_base_size: int
@@ -119,12 +123,36 @@ class BatchSetup:
     learning_rates: tuple[float, ...] = ()
     plan: BatchPlan | None = None
 
+    def __post_init__(self) -> None:
+        sizes = tuple(self.micro_batch_sizes)
+        object.__setattr__(self, "micro_batch_sizes", sizes)  # frozen: a list given becomes a tuple
+        if (not sizes or sum(sizes) != self.per_rank_batch_size or len(sizes) != self.accum_steps
+                or max(sizes) != self.micro_batch_size or sizes[0] != self.micro_batch_size):
+            raise ValueError(
+                f"micro_batch_sizes {list(sizes)} must be accum_steps={self.accum_steps} micro-batches of at most "
+                f"micro_batch_size={self.micro_batch_size}, the first that size, summing to "
+                f"per_rank_batch_size={self.per_rank_batch_size}"
+            )
+
+    def with_micro_batches(self, sizes: tuple[int, ...] | list[int]) -> BatchSetup:
+        """The same setup with one rank's step cut into ``sizes`` (what an engine ran, say).
+
+        Raises:
+            ValueError: ``sizes`` do not sum to ``per_rank_batch_size``.
+        """
+        sizes = tuple(sizes)
+        return replace(self, micro_batch_size=max(sizes, default=0), accum_steps=len(sizes), micro_batch_sizes=sizes)
+
     def describe(self) -> str:
-        """One line, e.g. ``global 256 = micro 32 × world 2 × accum 4; lr × 1.41 (sqrt from 128)``."""
+        """One line, e.g. ``global 256 = micro 32 × world 2 × accum 4; lr × 1.41 (sqrt from 128)``.
+
+        Unequal micro-batches are counted by size: ``global 512 = micro 15 × world 1 × accum 35
+        (22 of 15, 13 of 14)``.
+        """
         head = (f"global {self.global_batch_size} = micro {self.micro_batch_size} × world {self.world_size} "
                 f"× accum {self.accum_steps}")
-        if self.last_micro_batch_size != self.micro_batch_size:
-            head += f" (last micro-batch {self.last_micro_batch_size})"
+        if len(set(self.micro_batch_sizes)) > 1:
+            head += f" ({count_sizes(self.micro_batch_sizes)})"
         if self.lr_factor != 1.0:
             head += f"; lr × {self.lr_factor:.4g} ({self.lr_rule} from {self.lr_base_size})"
         return head
@@ -134,7 +162,16 @@ class BatchSetup:
         out = asdict(self)
         out["plan"] = None if self.plan is None else self.plan.to_dict()
         out["learning_rates"] = list(self.learning_rates)
+        out["micro_batch_sizes"] = list(self.micro_batch_sizes)
         return out
+
+
+def count_sizes(sizes: tuple[int, ...] | list[int]) -> str:
+    """Micro-batch sizes counted in order of first appearance: ``(15,) * 22 + (14,) * 13`` is ``22 of 15, 13 of 14``."""
+    counts: dict[int, int] = {}
+    for size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return ", ".join(f"{n} of {size}" for size, n in counts.items())
 
 
 def lr_rule_for(rule: str, optimizer: Any) -> str:
@@ -146,22 +183,23 @@ def lr_rule_for(rule: str, optimizer: Any) -> str:
 
 
 def choose_batches(found: int, *, world_size: int, global_batch_size: int | None, accum_steps: int,
-                   whole_micro_batches: bool) -> tuple[int, int, int, int]:
-    """``(micro, accum, per_rank, last_micro)`` for a finder's answer ``found``.
+                   whole_micro_batches: bool) -> tuple[int, int, int, tuple[int, ...]]:
+    """``(micro, accum, per_rank, micro_batch_sizes)`` for a finder's answer ``found``.
 
     With a global batch to hold, ``whole_micro_batches`` (a loop that accumulates equal
     micro-batches) takes the largest divisor of the per-rank batch up to ``found``
-    (:func:`batchpilot.train.batching.config_for_limit`); otherwise (batchpilot's engine, which cuts a
-    smaller last micro-batch) the micro-batch is the one the engine starts with: the smallest that
-    needs as few micro-batches as ``found`` (:func:`batchpilot.policy.microbatch.efficient_size`).
-    Without one, the micro-batch is ``found`` and ``accum_steps`` is kept.
+    (:func:`batchpilot.train.batching.config_for_limit`); otherwise the micro-batches are those
+    batchpilot's engine starts with when it splits by count: the fewest that fit under ``found``,
+    balanced (:func:`batchpilot.policy.microbatch.balanced_sizes`: 512 under 15 is 22 of 15 and
+    13 of 14). Without one, the micro-batch is ``found`` and ``accum_steps`` is kept.
 
     Raises:
         ValueError: the global batch does not divide by the world size.
     """
     if global_batch_size is None:
         cfg = BatchConfig(micro_batch_size=found, accum_steps=accum_steps, world_size=world_size)
-        return cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps, cfg.micro_batch_size
+        return (cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps,
+                (cfg.micro_batch_size,) * cfg.accum_steps)
     if whole_micro_batches:
         cfg = config_for_limit(global_batch_size, found, world_size=world_size)
         if cfg.micro_batch_size < 0.75 * min(found, cfg.micro_batch_size * cfg.accum_steps):
@@ -175,9 +213,8 @@ def choose_batches(found: int, *, world_size: int, global_batch_size: int | None
                 global_batch_size, cfg.micro_batch_size, near,
                 math.ceil(cfg.micro_batch_size * cfg.accum_steps / found), cfg.accum_steps,
             )
-        return cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps, cfg.micro_batch_size
+        return (cfg.micro_batch_size, cfg.accum_steps, cfg.micro_batch_size * cfg.accum_steps,
+                (cfg.micro_batch_size,) * cfg.accum_steps)
     per_rank = BatchConfig(global_batch_size=global_batch_size, world_size=world_size).micro_batch_size
-    # the engine balances its micro-batches: 64 + 64, not 65 + 63 (batchpilot.policy.microbatch.efficient_size)
-    micro = efficient_size(per_rank, found)
-    accum = math.ceil(per_rank / micro)
-    return micro, accum, per_rank, per_rank - (accum - 1) * micro
+    sizes = tuple(balanced_sizes(per_rank, micro_batches(per_rank, found)))
+    return sizes[0], len(sizes), per_rank, sizes

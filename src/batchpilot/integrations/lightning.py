@@ -26,6 +26,7 @@ from ..core.loss import parse_loss
 from ..dist.distributed import find_batch_size_distributed
 from ..find.options import FindOptions
 from ..find.result import BatchPlan
+from ..policy.search import NothingFitsError
 from ..train.batching import BatchConfig, rescale_lr
 from ..train.engine import Engine, StepResult
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
@@ -35,11 +36,30 @@ require("lightning", "batchpilot.integrations.lightning")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr  # noqa: E402
 
-__all__ = ["BatchSizeCallback", "ResilientModule"]
+__all__ = ["BatchSizeCallback", "NothingFitsException", "ResilientModule"]
 
 logger = logging.getLogger(__name__)
+
+
+
+class NothingFitsException(NothingFitsError, MisconfigurationException):
+    """Not even one sample fits: :class:`~batchpilot.policy.search.NothingFitsError` as Lightning raises what
+    its user must fix (a ``MisconfigurationException``).
+
+    Raised by :class:`BatchSizeCallback` and :class:`ResilientModule` in place of the finder's error,
+    with its message and figures, from the integration's own hook: the traceback ends there, with
+    one message, instead of going on through the finder's internals and the chained OOMs.
+    """
+
+    @classmethod
+    def of(cls, exc: NothingFitsError, who: str) -> NothingFitsException:
+        """``exc`` with its figures, the message prefixed by ``who`` (the class that searched)."""
+        return cls(f"{who}: {exc}", batch_size=exc.batch_size, peak_bytes=exc.peak_bytes,
+                   limit_bytes=exc.limit_bytes, capacity_bytes=exc.capacity_bytes)
+
 
 # Lightning's precision plugins whose GradScaler owns the backward and the optimizer step: the
 # engine's micro-batches cannot go through them (see ResilientModule)
@@ -62,8 +82,10 @@ class BatchSizeCallback(Callback):
     chosen.
 
     With a :class:`ResilientModule` the dataloader gives each rank its whole share of the global
-    batch and the engine accumulates micro-batches of the size found (``accumulate_grad_batches``
-    stays 1, as manual optimization requires).
+    batch and the engine accumulates micro-batches of at most the size found (``accumulate_grad_batches``
+    stays 1, as manual optimization requires); :attr:`setup` then holds the micro-batches the
+    engine ran in its first step (which it logs), and until that step the fewest balanced ones
+    under the size found, which the engine runs unless its timed trials chose a faster split.
 
     Args:
         global_batch_size: samples per optimizer step over all ranks to hold; ``None`` keeps
@@ -88,7 +110,8 @@ class BatchSizeCallback(Callback):
             size attribute, a dataloader passed to ``fit()`` directly, several training dataloaders,
             a strategy other than single-device or DDP, or ``GradientAccumulationScheduler`` next
             to a global batch.
-        batchpilot.policy.search.NothingFitsError: not even one sample fits on some rank (on every rank).
+        NothingFitsException: not even one sample fits on some rank (on every rank); a
+            :class:`~batchpilot.policy.search.NothingFitsError` and Lightning's ``MisconfigurationException``.
     """
 
     def __init__(
@@ -116,8 +139,9 @@ class BatchSizeCallback(Callback):
         self.micro_batch_size = micro_batch_size
         self.batch_arg_name = batch_arg_name
         self.layout = BatchLayout.of(shared, split_fn)
-        #: what was chosen at the last fit start (``None`` before)
+        #: what was chosen at the last fit start (``None`` before); with a ResilientModule, what its first step ran
         self.setup: BatchSetup | None = None
+        self._engine_pending = False  # a ResilientModule's first step is yet to report its micro-batches
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         opts = self.options
@@ -161,10 +185,13 @@ class BatchSizeCallback(Callback):
             found = self.micro_batch_size
         else:
             caps = [c for c in (per_rank, limit) if c is not None]
-            plan = _search_batch_size(trainer, pl_module, example, opts, limit=min(caps) if caps else None,
-                                     layout=self.layout)
+            try:
+                plan = _search_batch_size(trainer, pl_module, example, opts, limit=min(caps) if caps else None,
+                                         layout=self.layout)
+            except NothingFitsError as exc:
+                raise NothingFitsException.of(exc, type(self).__name__) from None
             found = plan.batch_size
-        micro, accum, per_rank, last = choose_batches(
+        micro, accum, per_rank, sizes = choose_batches(
             found, world_size=world, global_batch_size=opts.global_batch_size, accum_steps=accum,
             whole_micro_batches=not resilient,
         )
@@ -181,12 +208,33 @@ class BatchSizeCallback(Callback):
         factor, lrs = _rescale_optimizers(trainer, lr_base, global_, opts.lr_rule)
         self.setup = BatchSetup(
             micro_batch_size=micro, accum_steps=accum, world_size=world, global_batch_size=global_,
-            per_rank_batch_size=per_rank, last_micro_batch_size=last,
+            per_rank_batch_size=per_rank, micro_batch_sizes=sizes,
             found_batch_size=None if plan is None else plan.batch_size,
             limited_by_rank=None if plan is None else plan.limited_by_rank,
             lr_base_size=lr_base, lr_rule=lr_rule_for(opts.lr_rule, trainer.optimizers[0] if trainer.optimizers else None),
             lr_factor=factor, learning_rates=tuple(lrs), plan=plan,
         )
+        self._engine_pending = resilient
+        if resilient:  # the engine decides its split at its first step, and the setup is logged then
+            logger.info("batchpilot: global %d = world %d × %d per rank for ResilientModule's engine, in "
+                        "micro-batches of at most %d", global_, world, per_rank, micro)
+        else:
+            logger.info("batchpilot: %s", self.setup.describe())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After a ResilientModule's first step: the setup holds the micro-batches its engine ran."""
+        if not self._engine_pending or self.setup is None:
+            return
+        step = getattr(pl_module, "batchpilot_last_step", None)
+        if not isinstance(step, StepResult) or not step.micro_batch_sizes:
+            return
+        self._engine_pending = False
+        sizes = tuple(step.micro_batch_sizes)
+        if sum(sizes) != self.setup.per_rank_batch_size:  # a short last batch of the epoch: not the set-up
+            self._engine_pending = True
+            return
+        self.setup = self.setup.with_micro_batches(sizes)
         logger.info("batchpilot: %s", self.setup.describe())
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,9 +268,18 @@ class ResilientModule:
             Lightning's). LR schedulers from ``configure_optimizers`` are stepped by the mixin
             (interval ``"step"`` or ``"epoch"``, with their ``frequency``).
 
+    Metrics: each step logs ``batchpilot/loss`` (the batch's loss, on the progress bar),
+    ``batchpilot/micro_batch_size`` (the largest micro-batch of the step) and
+    ``batchpilot/accum_steps`` (how many ran), names that leave the module's own ``self.log``
+    calls free (``self.log("train_loss", loss)`` in ``compute_loss`` is yours).
+
     Attributes:
         batchpilot_engine: the engine, after the first training step.
         batchpilot_last_step: the :class:`batchpilot.StepResult` of the last step.
+
+    Raises:
+        NothingFitsException: without :class:`BatchSizeCallback`, the search on the first batch
+            finds that not even one sample fits.
     """
 
     engine_options: dict[str, Any] = {}
@@ -256,8 +313,10 @@ class ResilientModule:
         self.batchpilot_last_step = result
         if not result.skipped:
             self._batchpilot_step_schedulers("step")
-        self.log("train_loss", result.loss_tensor, prog_bar=True, batch_size=result.samples)
-        self.log("micro_batch_size", float(result.micro_batch_size), batch_size=result.samples)
+        # under batchpilot's prefix: the module's own self.log("train_loss", ...) must not collide
+        self.log("batchpilot/loss", result.loss_tensor, prog_bar=True, batch_size=result.samples)
+        self.log("batchpilot/micro_batch_size", float(result.micro_batch_size), batch_size=result.samples)
+        self.log("batchpilot/accum_steps", float(result.accum_steps), batch_size=result.samples)
         return result.loss_tensor
 
     def on_train_epoch_end(self) -> None:
@@ -297,10 +356,13 @@ class ResilientModule:
             find = config.find if config is not None else FindOptions()
             if options.get("target") is not None:
                 find = FindOptions.build(find, target=options["target"])
-            start = _search_batch_size(
-                trainer, self, batch, SizingOptions(find=find), limit=global_ // world,
-                layout=BatchLayout.of(options.get("shared"), options.get("split_fn")),
-            )
+            try:
+                start = _search_batch_size(
+                    trainer, self, batch, SizingOptions(find=find), limit=global_ // world,
+                    layout=BatchLayout.of(options.get("shared"), options.get("split_fn")),
+                )
+            except NothingFitsError as exc:
+                raise NothingFitsException.of(exc, "ResilientModule") from None
         # the LightningOptimizer: its step() counts global_step and runs the callbacks' hooks
         engine = Engine(self, optimizer, lambda model, mb: model.compute_loss(mb), global_batch_size=global_,
                         start=start if self._batchpilot_state is None else None, **options)

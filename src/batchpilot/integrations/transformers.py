@@ -153,7 +153,7 @@ def configure_batch_size(
     finally:
         del optimizer, scaler
         free_memory(device)
-    micro, accum, per_rank, last = choose_batches(
+    micro, accum, per_rank, sizes = choose_batches(
         plan.batch_size, world_size=world, global_batch_size=opts.global_batch_size, accum_steps=accum,
         whole_micro_batches=True,
     )
@@ -168,14 +168,18 @@ def configure_batch_size(
     args.learning_rate = lr
     setup = BatchSetup(
         micro_batch_size=micro, accum_steps=accum, world_size=world, global_batch_size=new_global,
-        per_rank_batch_size=per_rank, last_micro_batch_size=last, found_batch_size=plan.batch_size,
+        per_rank_batch_size=per_rank, micro_batch_sizes=sizes, found_batch_size=plan.batch_size,
         limited_by_rank=plan.limited_by_rank, lr_base_size=lr_base, lr_rule=lr_rule_for(opts.lr_rule, opt_cls),
         lr_factor=factor, learning_rates=(lr,), plan=plan,
     )
-    logger.info("batchpilot: %s", setup.describe())
-    # for ResilientTrainerMixin: the plain Trainer's fields above cannot say "micro-batches of 33
-    # for a batch of 65", which the engine runs (33 + 32), so the found size travels with args
+    # for ResilientTrainerMixin: TrainingArguments hold equal micro-batches only, which cannot say
+    # "22 + 22 + 21 for a batch of 65", the fewest that fit, which its engine runs; the found size
+    # travels with args, and the log says both
     args.batchpilot_setup = setup
+    engine = choose_batches(_first_micro_batch(args), world_size=world, global_batch_size=new_global,
+                            accum_steps=1, whole_micro_batches=False)[3]
+    logger.info("batchpilot: %s in the TrainingArguments (a Trainer's equal micro-batches); a ResilientTrainer on "
+                "them runs %s", setup.describe(), setup.with_micro_batches(engine).describe())
     return setup
 
 
@@ -212,8 +216,10 @@ class ResilientTrainerMixin:
     :class:`batchpilot.Engine`, starting at micro-batches of the ``per_device_train_batch_size``
     given, or of the finder's answer when :func:`configure_batch_size` sized these ``args`` (its
     ``args.batchpilot_setup``, used while ``per_device_train_batch_size × gradient_accumulation_steps``
-    is still the per-rank batch it chose): an OOM drops the partial gradients, shrinks the
-    micro-batch and reruns the same batch.
+    is still the per-rank batch it chose): the fewest micro-batches of at most that size, balanced
+    (65 under 32: 22 + 22 + 21; ``TrainingArguments`` can only say equal ones, 13 × 5). Each
+    step's are in ``batchpilot_last_step.micro_batch_sizes``, and the engine logs its split. An
+    OOM drops the partial gradients, shrinks the micro-batch and reruns the same batch.
     The loss of each micro-batch is the Trainer's own ``compute_loss`` (with ``num_items_in_batch``
     over the whole batch), so the gradients equal those of the run without the OOM. The Trainer's
     loop clips, steps the optimizer and the LR scheduler and counts ``global_step`` as usual.
@@ -244,6 +250,11 @@ class ResilientTrainerMixin:
         if "lomo" in str(targs.optim).lower():
             raise ValueError(f"{who} cannot run LOMO optimizers: they step inside the backward")
         self._batchpilot_micro = _first_micro_batch(targs)
+        if self._batchpilot_micro != targs.per_device_train_batch_size:
+            logger.info("%s: micro-batches of at most %d (configure_batch_size's answer), not the arguments' %d: the "
+                        "engine cuts each per-device batch of %d into the fewest that fit, equal or not", who,
+                        self._batchpilot_micro, targs.per_device_train_batch_size,
+                        targs.per_device_train_batch_size * targs.gradient_accumulation_steps)
         # One optimizer step's batch in one piece, on a copy: the caller's arguments are untouched.
         # After the Trainer's own set-up, so that any Trainer subclass's signature is kept.
         merged = copy.copy(targs)
@@ -376,8 +387,9 @@ def _first_micro_batch(args: TrainingArguments) -> int:
     """The engine's first micro-batch: the finder's answer from :func:`configure_batch_size`, else the arguments'.
 
     ``configure_batch_size`` writes the largest *divisor* of the per-rank batch that fits, which a
-    plain Trainer's equal micro-batches need; the engine cuts a smaller last one, so it starts at
-    what fits (on a per-rank batch of 65 where 32 fit: 3 micro-batches, not 5 of 13). Arguments
+    plain Trainer's equal micro-batches need; the engine cuts balanced micro-batches that need not
+    be equal, so it starts at what fits (on a per-rank batch of 65 where 32 fit: 22 + 22 + 21, not
+    5 of 13). Arguments
     changed since (another per-rank batch or world size) are the caller's choice and win.
     """
     per_device = args.per_device_train_batch_size
