@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from batchpilot.app.cli import build_parser
-from batchpilot.app.cli.common import FIND_FLAGS, find_options_of
+import argparse
+
+import pytest
+
+from batchpilot.app.cli.common import FIND_FLAGS, find_options_of, shape
 from batchpilot.find.options import FindOptions, option_help
 from batchpilot.memory.units import parse_bytes
 
@@ -52,3 +56,16 @@ def test_the_flags_set_the_options_and_leave_the_rest_at_their_defaults():
     assert find_options_of(args) == FindOptions(capacity=parse_bytes("2MiB"), target=0.5, max_batch_size=8,
                                                 strategy="binsearch", timed_steps=0, progress=False, objective="memory",
                                                 speed_tolerance=0.1, steps_per_trial=3)
+
+
+@pytest.mark.parametrize("text", ["3,224,224", "3x224x224", "3X224X224", "3x224,224", " 3, 224, 224 "])
+def test_an_input_shape_is_separated_by_commas_or_x(text):
+    # docs/cli.md: --input-shape 3x224x224 is 3,224,224
+    assert shape(text) == (3, 224, 224)
+    assert build_parser().parse_args(["plan", "--input-shape", text, "--capacity", "1MiB"]).input_shape == (3, 224, 224)
+
+
+@pytest.mark.parametrize("text", ["3*224*224", "3;224", "", "3x0x4", "-3"])
+def test_an_input_shape_that_is_no_shape_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        shape(text)

@@ -41,6 +41,21 @@ def test_unknown_gpu_lists_the_known_names():
     assert all(name in str(info.value) for name in GPUS)
 
 
+@pytest.mark.parametrize("name, meant", [
+    ("H100", ["H100-80GB"]),  # the name without its memory: the table keys a model by it
+    ("a100", ["A100-40GB", "A100-80GB"]),
+    ("4090", ["RTX4090-24GB"]),
+    ("H10-80GB", ["H100-80GB", "A100-80GB"]),  # a typo: difflib's closest
+    ("mi300", ["MI300X-192GB"]),
+])
+def test_an_unknown_gpu_close_to_known_ones_suggests_them_instead_of_the_list(name, meant):
+    with pytest.raises(ValueError) as info:
+        gpu_spec(name)
+    message = str(info.value)
+    assert message.startswith(f"unknown GPU {name!r}; did you mean {' or '.join(map(repr, meant))}? ")
+    assert "known GPUs" not in message and "80GiB" in message
+
+
 def test_for_gpu_takes_the_workspace_and_overrides():
     acc = CudaAccounting.for_gpu("h200-141gb", context=100 * MiB)
     assert acc.blas_workspace == 32 * MiB and acc.context == 100 * MiB

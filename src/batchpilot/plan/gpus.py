@@ -7,6 +7,7 @@ what is not modelled: ``docs/internals.md#gpus``.
 from __future__ import annotations
 
 import bisect
+import difflib
 import logging
 import re
 from dataclasses import dataclass, field
@@ -205,15 +206,32 @@ def gpu_spec(name: str) -> GpuSpec:
     """Look up a named GPU; case, spaces, ``-`` and ``_`` do not matter.
 
     Raises:
-        ValueError: unknown name; the message lists the known ones.
+        ValueError: unknown name; the message suggests the closest known names (``H100`` is
+            ``H100-80GB``), or lists them all when none is close.
     """
     spec = _BY_KEY.get(_normalise(str(name)))
     if spec is None:
-        raise ValueError(
-            f"unknown GPU {name!r}; known GPUs: {', '.join(GPUS)}. "
-            "Or give the capacity in bytes or as a size such as '80GiB'"
-        )
+        near = _closest_gpus(str(name))
+        hint = (f"did you mean {' or '.join(repr(n) for n in near)}?" if near
+                else f"known GPUs: {', '.join(GPUS)}.")
+        raise ValueError(f"unknown GPU {name!r}; {hint} Or give the capacity in bytes or as a size such as '80GiB'")
     return spec
+
+
+def _closest_gpus(name: str, n: int = 3) -> tuple[str, ...]:
+    """Up to ``n`` known names that ``name`` is most likely meant as, best first.
+
+    Known names that start with ``name`` come first (``A100`` is ``A100-40GB`` or ``A100-80GB``:
+    the table keys a model by its memory), then those that contain it (``4090``), then
+    :mod:`difflib`'s close matches (``H10-80GB``).
+    """
+    key = _normalise(name)
+    if not key:
+        return ()
+    started = [spec.name for k, spec in _BY_KEY.items() if k.startswith(key)]
+    started += [spec.name for k, spec in _BY_KEY.items() if key in k[1:]]
+    similar = [_BY_KEY[k].name for k in difflib.get_close_matches(key, _BY_KEY, n=n, cutoff=0.7)]
+    return tuple(dict.fromkeys(started + similar))[:n]
 
 
 # ---------------------------------------------------------------------------

@@ -114,12 +114,13 @@ def byte_size(text: str) -> int:
 
 
 def shape(text: str) -> tuple[int, ...]:
-    """argparse type: a per-sample shape such as ``3,224,224`` or ``64``."""
-    parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
+    """argparse type: a per-sample shape such as ``3,224,224``, ``3x224x224`` (the same) or ``64``."""
+    parts = [p for p in text.lower().replace("x", ",").split(",") if p.strip()]
     try:
         dims = tuple(int(p) for p in parts)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated sizes like 3,224,224, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected sizes separated by commas or x, like 3,224,224 or 3x224x224, "
+                                         f"got {text!r}") from None
     if not dims or any(d < 1 for d in dims):
         raise argparse.ArgumentTypeError(f"every dimension must be at least 1, got {text!r}")
     return dims
@@ -173,8 +174,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--input-shape", metavar="SHAPE", type=shape, default=None,
-        help="shape of one input sample, e.g. 3,224,224 (images) or 64 (features); for the transformer, "
-             "the sequence length of integer tokens. Default: 3,32,32, or the built-in model's own shape",
+        help="shape of one input sample, e.g. 3,224,224 or 3x224x224 (images) or 64 (features); for the "
+             "transformer, the sequence length of integer tokens. Default: 3,32,32, or the built-in model's own shape",
     )
     g.add_argument("--num-classes", metavar="N", type=positive_int, default=10,
                    help="classes of the cross-entropy targets (default: %(default)s)")
