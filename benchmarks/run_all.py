@@ -41,6 +41,7 @@ KNOWN = (
     Script("fsdp_overhead", quick=("--quick",), json_flag=False),
     Script("peers", quick=("--quick",)),
     Script("speed", quick=("--quick",)),
+    Script("split_busy", quick=("--quick",)),
     Script("integrations", quick=("--quick",)),
     Script("gpu_validate", quick=("--small",)),
     Script("compiled", quick=("--quick",)),

@@ -237,6 +237,20 @@ def test_speed_quick_prints_the_sweep_and_the_split(tmp_path):
         assert s["peak_balanced"] < s["peak_first"]  # exact tensor bytes: the balanced split holds less
 
 
+@pytest.mark.timeout(900)
+def test_split_busy_quick_runs_the_reproduction_and_the_quiet_check(tmp_path):
+    out = tmp_path / "split.json"
+    proc = run_script("split_busy.py", "--quick", "--json", str(out))
+    assert "default/fewest" in proc.stdout and "default/old" in proc.stdout
+    doc = json.loads(out.read_text())
+    (busy,) = doc["busy"]
+    assert len(busy["steps"]["default"]) == len(busy["steps"]["fewest"]) == 3
+    assert busy["nominated"][1] >= busy["fewest"][1]  # a nomination has the fewest micro-batches or more
+    assert busy["median"]["default"] > 0 and busy["default_over_fewest"] > 0
+    (quiet,) = doc["quiet"]
+    assert {"default", "fewest", "old"} <= set(quiet["steps"]) and quiet["total"] == 16
+
+
 def test_geometric_sweep_sizes():
     import speed
 

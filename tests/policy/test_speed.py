@@ -12,6 +12,7 @@ from pure import modules_loaded_alone
 from batchpilot.policy.microbatch import balanced_sizes
 from batchpilot.policy.search import Trial
 from batchpilot.policy.speed import (
+    SplitCheck,
     ThroughputSearch,
     TimeCurve,
     TimeFit,
@@ -285,6 +286,82 @@ def test_split_seconds_counts_each_balanced_micro_batch():
     assert split_seconds(10, 3, lambda b: b * b) == 16 + 9 + 9
     with pytest.raises(ValueError):
         split_seconds(3, 4, linear)
+
+
+def nominated(total: int = 256) -> tuple:
+    """A split into 4 x 64 nominated on the cliff, and the fewest (one pass of 256)."""
+    curve = TimeCurve({b: cache_cliff(b) for b in (1, 16, 64, 128, 256)})
+    return choose_split(total, 256, step_time=curve), choose_split(total, 256)
+
+
+def test_the_split_check_alternates_in_pairs_and_keeps_a_split_every_pair_confirms():
+    split, fewest = nominated()
+    check = SplitCheck(split=split, fewest=fewest)
+    arms, real = [], {"split": 0.264, "fewest": 0.45}
+    while check.arm is not None:
+        arms.append((check.arm, check.micro_batch_size))
+        check.observe(real[check.arm])
+    s, f = ("split", 64), ("fewest", 256)
+    assert arms == [s, f, f, s, s, f, f, s]  # S F, F S, S F, F S: a trend in the load favours neither
+    assert check.verdict == "split" and check.arm is None and check.micro_batch_size is None
+    assert check.ratios() == pytest.approx([0.264 / 0.45] * 4)
+    assert check.reason == (split.reason + "; confirmed: 0.264 s against 0.45 s on 4 pairs of real steps "
+                                           "(median ratio 0.59, every pair faster)")
+    with pytest.raises(ValueError, match="has decided"):
+        check.observe(0.1)
+
+
+def test_one_pair_against_the_split_ends_the_check_for_the_fewest():
+    split, fewest = nominated()
+    check = SplitCheck(split=split, fewest=fewest)
+    assert check.observe(0.2) is None  # the split
+    assert check.observe(0.3) is None  # the fewest: pair 1 favours the split (0.67)
+    assert check.observe(0.31) is None  # the fewest
+    assert check.observe(0.33) == "fewest"  # the split: pair 2 at 1.06
+    assert check.reason == ("fewest micro-batches of at most 256, balanced: the timed split into 4 of 64, predicted "
+                            "0.264 s against 0.45 s, was not faster on real steps: 0.265 s against 0.305 s on 2 "
+                            "pairs of real steps (a pair not faster)")
+
+
+def test_every_pair_faster_but_within_the_margin_keeps_the_fewest():
+    split, fewest = nominated()
+    check = SplitCheck(split=split, fewest=fewest, pairs=3, margin=0.05)
+    for seconds in (0.97, 1.0, 1.0, 0.97, 0.9, 1.0):  # ratios 0.97, 0.97, 0.9: median 0.97
+        check.observe(seconds)
+    assert check.verdict == "fewest"
+    assert check.reason.endswith("(median ratio 0.97, not 0.95 or less)")
+
+
+def test_the_check_keeps_a_split_by_chance_about_one_time_in_sixteen_and_a_real_gain_mostly():
+    """The noise model in numbers: each step's time is its cost times a load factor that drifts
+    (a random walk in log, the co-tenant coming and going), plus a step's own jitter."""
+    import random
+
+    split, fewest = nominated()
+
+    def kept(true_ratio: float, seed: int) -> bool:
+        rng = random.Random(seed)
+        check, load = SplitCheck(split=split, fewest=fewest), 1.0
+        while check.arm is not None:
+            load = min(8.0, max(1.0, load * math.exp(rng.gauss(0, 0.3))))
+            cost = true_ratio if check.arm == "split" else 1.0
+            check.observe(cost * load * math.exp(rng.gauss(0, 0.1)))
+        return check.verdict == "split"
+
+    assert sum(kept(1.0, seed) for seed in range(400)) / 400 <= 0.1
+    assert sum(kept(1.2, seed) for seed in range(400)) / 400 <= 0.02
+    assert sum(kept(1.5, seed) for seed in range(400)) == 0
+    assert sum(kept(0.6, seed) for seed in range(400)) / 400 >= 0.8
+
+
+def test_bad_split_checks():
+    split, fewest = nominated()
+    with pytest.raises(ValueError, match="more micro-batches"):
+        SplitCheck(split=fewest, fewest=fewest)
+    with pytest.raises(ValueError, match="pairs"):
+        SplitCheck(split=split, fewest=fewest, pairs=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        SplitCheck(split=split, fewest=fewest).observe(-1.0)
 
 
 def test_speed_is_pure():

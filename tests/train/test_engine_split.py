@@ -69,18 +69,88 @@ def test_a_linear_time_plan_keeps_the_fewest_micro_batches():
     assert eng.split.seconds == pytest.approx(2 * linear(32))
 
 
-def test_a_plan_timed_faster_at_small_sizes_splits_finer_and_does_not_grow_back():
+class CurveClock:
+    """The clock a step's passes are timed by, moved by each micro-batch's loss along a curve.
+
+    Installed as :data:`batchpilot.find.timing.clock` and ``thread_clock`` (the module's
+    documented injection points): the engine's real steps then take the curve's time at the
+    sizes they really run, ``load(step)`` times over (a co-tenant's share of the machine).
+    """
+
+    def __init__(self, monkeypatch, curve, load=lambda step: 1.0) -> None:
+        from batchpilot.find import timing
+
+        self.curve, self.load, self.now, self.step = curve, load, 0.0, 0
+        monkeypatch.setattr(timing, "clock", lambda: self.now)
+        monkeypatch.setattr(timing, "thread_clock", lambda: self.now)
+
+    def loss(self, m, b):  # a real loss; the clock moves by the curve at this micro-batch
+        self.now += self.curve(len(b[0])) * self.load(self.step)
+        return CE(m, b)
+
+    def run(self, eng, model, steps):
+        out = []
+        for b in batches(model, 64, steps):
+            out.append(eng.step(b))
+            self.step += 1
+        return out
+
+
+def test_a_split_timed_faster_is_kept_when_paired_real_steps_confirm_it_and_does_not_grow_back(monkeypatch, caplog):
+    clock = CurveClock(monkeypatch, cache_cliff)
     model, opt = make("mlp")
     plan = timed_plan(64, cache_cliff, (1, 8, 16, 32, 64))
-    eng = Engine(model, opt, CE, global_batch_size=64, start=plan, config=EngineConfig(grow_after=1))
-    results = [eng.step(b) for b in batches(model, 64, 4)]
-    # one pass of 64 costs 0.161 s, four of 16 cost 4 x 0.017: the measured curve wins over "fewest"
-    assert [(r.micro_batch_size, r.accum_steps) for r in results] == [(16, 4)] * 4
+    eng = Engine(model, opt, clock.loss, global_batch_size=64, start=plan, config=EngineConfig(grow_after=1))
+    with caplog.at_level("INFO", logger="batchpilot.train.adapt"):
+        results = clock.run(eng, model, 11)
+    # nominated: one pass of 64 costs 0.161 s, four of 16 cost 4 x 0.017. Then pairs of real
+    # steps, split and fewest in turn (S F, F S, S F, F S), every pair favouring the split: kept
+    ran = [(r.micro_batch_size, r.accum_steps) for r in results]
+    s, f = (16, 4), (64, 1)
+    assert ran == [s, f, f, s, s, f, f, s] + [s] * 3
     assert results[0].micro_batch_reason.startswith("measured faster: 4 micro-batches predicted 0.068 s")
+    assert "checking it on real steps (step 1 of up to 8)" in results[0].micro_batch_reason
+    assert results[1].micro_batch_reason.startswith("checking the timed split on real steps (step 2 of up to 8)")
+    assert results[8].micro_batch_reason == eng.micro_batch_reason
+    assert "confirmed: 0.068 s against 0.161 s on 4 pairs of real steps (median ratio 0.42" in eng.micro_batch_reason
+    assert eng.batcher.check.verdict == "split" and eng.batcher.check.ratios() == pytest.approx([0.068 / 0.161] * 4)
     assert eng.policy.ceiling == 16  # growth (grow_after=1, memory to spare) stops at the timed size
-    assert "measured faster" in eng.describe()
+    assert [r.getMessage() for r in caplog.records if "confirmed" in r.getMessage()] == [eng.micro_batch_reason]
     fewest = Engine(*make("mlp"), CE, global_batch_size=64, start=plan, config=EngineConfig(split="fewest"))
     assert fewest.step(next(batches(model, 64, 1))).accum_steps == 1
+
+
+def test_a_split_the_real_steps_do_not_confirm_goes_back_to_the_fewest_once_and_stays(monkeypatch, caplog):
+    # the plan's times say small micro-batches are faster; the real steps are linear (a step's
+    # fixed cost per micro-batch): the first pair shows it, and the engine goes back for good
+    clock = CurveClock(monkeypatch, linear)
+    model, opt = make("mlp")
+    plan = timed_plan(64, cache_cliff, (1, 8, 16, 32, 64))
+    eng = Engine(model, opt, clock.loss, global_batch_size=64, start=plan, config=EngineConfig(grow_after=1))
+    with caplog.at_level("INFO", logger="batchpilot.train.adapt"):
+        results = clock.run(eng, model, 8)
+    assert [(r.micro_batch_size, r.accum_steps) for r in results] == [(16, 4)] + [(64, 1)] * 7
+    reason = eng.micro_batch_reason
+    assert reason == ("fewest micro-batches of at most 64, balanced: the timed split into 4 of 16, predicted 0.068 s "
+                      "against 0.161 s, was not faster on real steps: 0.264 s against 0.114 s on 1 pair of real "
+                      "steps (a pair not faster)")
+    assert all(r.micro_batch_reason == reason for r in results[2:])
+    assert eng.batcher.check.verdict == "fewest" and eng.policy.ceiling is None
+    assert [r.getMessage() for r in caplog.records if "not faster" in r.getMessage()] == [reason]  # said once
+    assert "was not faster on real steps" in eng.describe()
+
+
+def test_a_split_that_pays_on_a_quiet_machine_but_not_under_load_keeps_the_fewest(monkeypatch):
+    # the split is 2x faster, but a co-tenant arrives on the fourth step and triples every step's
+    # time from there: the second pair (F S) reads 3 x 0.068 against 0.161, not faster. The
+    # evidence no longer beats the noise: the simplest split, whatever comes after
+    clock = CurveClock(monkeypatch, cache_cliff, load=lambda step: 3.0 if step >= 3 else 1.0)
+    model, opt = make("mlp")
+    plan = timed_plan(64, cache_cliff, (1, 8, 16, 32, 64))
+    eng = Engine(model, opt, clock.loss, global_batch_size=64, start=plan)
+    results = clock.run(eng, model, 6)
+    assert [r.accum_steps for r in results] == [4, 1, 1, 4, 1, 1]
+    assert eng.batcher.check.ratios() == pytest.approx([0.068 / 0.161, 3 * 0.068 / 0.161])
 
 
 def test_the_reason_follows_an_oom_and_the_growth_back():

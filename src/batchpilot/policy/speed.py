@@ -3,8 +3,9 @@
 A timed trial is a batch size and the seconds one step takes there. :func:`fit_time` fits
 ``T(b) = fixed + per_sample × b``; :func:`choose_fastest` applies the throughput objective (the
 smallest batch whose samples/s is within a tolerance of the best); :class:`ThroughputSearch`
-names the next batch size to time; :func:`choose_split` splits a per-rank batch into
-micro-batches by the predicted time of the whole step. Why and how: ``docs/internals.md#speed``.
+names the next batch size to time; :func:`choose_split` nominates a split of a per-rank batch
+into micro-batches by the predicted time of the whole step, and :class:`SplitCheck` keeps it
+only if paired real steps confirm it. Why and how: ``docs/speed.md``, ``docs/internals.md#speed``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = [
     "SplitChoice",
     "split_seconds",
     "choose_split",
+    "SPLIT_CHECK_PAIRS",
+    "SplitCheck",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,12 @@ logger = logging.getLogger(__name__)
 OBJECTIVES = ("memory", "throughput")
 #: DeepSpeed's autotuner stops growing the micro-batch once throughput gains less than 5%.
 SPEED_TOLERANCE = 0.05
+#: Pairs of real steps (the split, the fewest micro-batches) that must all favour a timed split
+#: before it is kept: with no real difference each pair favours either side about as often, so
+#: four in a row happen by chance about one time in sixteen, and a pair against it ends the check
+#: at once. An even count: each side runs first in as many pairs (a load that only rises from a
+#: quiet start favours whichever step runs first).
+SPLIT_CHECK_PAIRS = 4
 
 
 def check_objective(objective: Any, *, error: type[Exception] = ValueError) -> str:
@@ -496,3 +505,122 @@ def choose_split(
     return SplitChoice(total=total, largest_fitting=fit, micro_batch_size=m0, accum_steps=k0, seconds=base,
                        fewest_seconds=base,
                        reason=f"{head}: predicted {base:.3g} s, no split into more timed {margin:.0%} faster")
+
+
+class SplitCheck:
+    """Real steps decide whether a split into more micro-batches than the fewest is kept.
+
+    :func:`choose_split` only *nominates* a split: its times are one figure per size (the fastest
+    of a trial's timed steps), each measured at another moment, and on a shared machine a
+    moment's load stretches one size and not the next (a batch-1 trial has been seen 0.3 s in
+    one run and 3.4 s in another). Both splits train the same update, so the engine's first
+    steps measure them for free, in **pairs of adjacent steps**, one at the nominated split and
+    one at the fewest micro-batches, in the order ``S F, F S, S F, F S`` (:attr:`arm` says
+    which runs next; the alternation keeps a trend in the load from favouring either side).
+
+    Noise model: a step's time is its cost times a load factor (≥ 1) that drifts over seconds.
+    Two adjacent steps share most of it, so their ratio ``r = split / fewest`` cancels it and
+    what remains is noise about the true ratio, as often above it as below.
+
+    Rule (the simplest choice unless the evidence beats the noise): a pair with ``r ≥ 1`` (the
+    split not faster) ends the check at once for the fewest micro-batches; after ``pairs``
+    pairs that all favour the split, it is kept if their median ``r`` is below ``1 - margin``,
+    else the fewest. With no real difference all ``pairs`` pairs favour the split by chance
+    about ``2**-pairs`` of the time (one in sixteen for 4), and the median rule still asks for
+    the margin; a split truly slower is kept far less often, one 1.5 times slower practically never. The verdict is final: the check never runs again, so the split cannot flip-flop.
+
+    Example, ``pairs=3, margin=0.05``: split times 1.0, 2.1, 1.1 against the fewest's 1.5, 3.0,
+    1.6 (ratios 0.67, 0.70, 0.69): kept. Split 3.0 against fewest 2.0 in the first pair (1.5):
+    the fewest, after two steps.
+
+    Args:
+        split: the nominated split (more micro-batches than ``fewest``).
+        fewest: the fewest micro-batches' split of the same batch.
+        pairs: pairs of steps that must favour the split.
+        margin: the median ratio must be below ``1 - margin``.
+
+    Raises:
+        ValueError: ``split`` does not have more micro-batches than ``fewest``, or of another
+            batch; ``pairs`` is not a positive int; ``margin`` outside [0, 0.5).
+    """
+
+    def __init__(self, *, split: SplitChoice, fewest: SplitChoice, pairs: int = SPLIT_CHECK_PAIRS,
+                 margin: float = SPEED_TOLERANCE) -> None:
+        if split.total != fewest.total or split.accum_steps <= fewest.accum_steps:
+            raise ValueError(f"a split check compares a split into more micro-batches with the fewest of the same "
+                             f"batch, got {split.accum_steps} of {split.total} against {fewest.accum_steps} of "
+                             f"{fewest.total}")
+        self.split = split
+        self.fewest = fewest
+        self.pairs = positive_int("pairs", pairs)
+        self.margin = check_speed_tolerance(margin)
+        #: seconds of each step observed, in order (the arms alternate as :attr:`arm` says)
+        self.seconds: list[float] = []
+        #: ``"split"`` or ``"fewest"`` once decided, else ``None``
+        self.verdict: str | None = None
+
+    def _arm_of(self, i: int) -> str:
+        first, second = ("split", "fewest") if (i // 2) % 2 == 0 else ("fewest", "split")
+        return first if i % 2 == 0 else second
+
+    @property
+    def arm(self) -> str | None:
+        """Which split the next step runs: ``"split"`` or ``"fewest"``; ``None`` once decided."""
+        return None if self.verdict is not None else self._arm_of(len(self.seconds))
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch of :attr:`arm` (``None`` once decided)."""
+        arm = self.arm
+        return None if arm is None else (self.split if arm == "split" else self.fewest).micro_batch_size
+
+    def ratios(self) -> list[float]:
+        """``split / fewest`` of each complete pair."""
+        out = []
+        for p in range(len(self.seconds) // 2):
+            a, b = self.seconds[2 * p], self.seconds[2 * p + 1]
+            s, f = (a, b) if self._arm_of(2 * p) == "split" else (b, a)
+            out.append(s / f if f > 0 else math.inf)
+        return out
+
+    def observe(self, seconds: float) -> str | None:
+        """The time of the step that ran :attr:`arm`; returns the verdict once there is one.
+
+        Raises:
+            ValueError: after the verdict, or a negative time.
+        """
+        if self.verdict is not None:
+            raise ValueError(f"the split check has decided ({self.verdict}); it observes no more steps")
+        if not seconds >= 0:
+            raise ValueError(f"a step time must be a non-negative number of seconds, got {seconds!r}")
+        self.seconds.append(float(seconds))
+        ratios = self.ratios()
+        if len(self.seconds) % 2 == 0:
+            if ratios[-1] >= 1:
+                self.verdict = "fewest"
+            elif len(ratios) >= self.pairs:
+                self.verdict = "split" if statistics.median(ratios) < 1 - self.margin else "fewest"
+        return self.verdict
+
+    def _arm_seconds(self, arm: str) -> float:
+        return statistics.median(t for i, t in enumerate(self.seconds) if self._arm_of(i) == arm)
+
+    @property
+    def reason(self) -> str:
+        """One line: what the real steps showed against the prediction (empty before the verdict)."""
+        if self.verdict is None:
+            return ""
+        ratios = self.ratios()
+        split, fewest = self.split, self.fewest
+        real = (f"{self._arm_seconds('split'):.3g} s against {self._arm_seconds('fewest'):.3g} s on "
+                f"{len(ratios)} pair{'s' if len(ratios) > 1 else ''} of real steps")
+        if self.verdict == "split":
+            return (f"{split.reason}; confirmed: {real} (median ratio {statistics.median(ratios):.2f}, "
+                    f"every pair faster)")
+        predicted = ("" if split.seconds is None or split.fewest_seconds is None else
+                     f", predicted {split.seconds:.3g} s against {split.fewest_seconds:.3g} s")
+        why = "a pair not faster" if ratios[-1] >= 1 else f"median ratio {statistics.median(ratios):.2f}, " \
+                                                          f"not {1 - self.margin:.2f} or less"
+        return (f"fewest micro-batches of at most {fewest.largest_fitting}, balanced: the timed split into "
+                f"{split.accum_steps} of {split.micro_batch_size}{predicted}, was not faster on real steps: {real} "
+                f"({why})")

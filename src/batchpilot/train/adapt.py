@@ -11,7 +11,9 @@ the coordinator. The engine calls it at fixed points of a step:
 2. after each attempt, :meth:`MicroBatcher.agree_failed` or :meth:`MicroBatcher.agree_clean`
    (this rank's outcome, one agreement with the others; the next micro-batch is decided there);
 3. after an agreed OOM, :meth:`MicroBatcher.shrink_after_oom`;
-4. when the global batch changes, :meth:`MicroBatcher.resize`.
+4. after each step, while :attr:`MicroBatcher.checking` (a split nominated by time is being
+   checked on real steps), :meth:`MicroBatcher.observe_step` with the step's timed passes;
+5. when the global batch changes, :meth:`MicroBatcher.resize`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..dist.coordinator import Coordinator
 from ..find.result import BatchPlan
 from ..memory.units import format_bytes
 from ..policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps
-from ..policy.speed import SplitChoice, TimeCurve, choose_split
+from ..policy.speed import SplitCheck, SplitChoice, TimeCurve, choose_split
 from .retry import BatchDoesNotFitError
 
 __all__ = ["MicroBatcher", "alloc_retries"]
@@ -55,13 +57,16 @@ class MicroBatcher:
         adapt: grow after clean steps and shrink on pressure; ``False`` keeps only the OOM shrink.
         grow_after, backoff, max_wait: the policy's growth wait (:class:`MicroBatchPolicy`).
         split_by_time: split the first per-rank batch by the finder's timed trials
-            (:func:`~batchpilot.policy.speed.choose_split`), else into the fewest micro-batches.
+            (:func:`~batchpilot.policy.speed.choose_split`), kept only if the first real steps
+            confirm it (:class:`~batchpilot.policy.speed.SplitCheck`); else into the fewest micro-batches.
         split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
 
     Attributes:
         policy: the growth and shrink policy (``None`` before the first micro-batch of ``"auto"``).
         fit: the memory model over micro-batches.
         split: the initial split (``None`` before the first step, and for a fixed micro-batch).
+        check: the real steps' check of a split nominated by time (``None`` when there was none
+            to check, and after memory moved the micro-batch during it); its ``verdict`` once decided.
         reason: why the micro-batch is what it is (empty before the first step).
     """
 
@@ -84,6 +89,7 @@ class MicroBatcher:
         self.policy: MicroBatchPolicy | None = None
         self.fit = PeakFit()
         self.split: SplitChoice | None = None
+        self.check: SplitCheck | None = None
         self.reason = "" if fixed is None else f"fixed: micro_batch_size={fixed}"
         self._capacity = capacity
         self._pending_reason: str | None = None  # why the policy's next size, until the ranks agree on it
@@ -116,6 +122,71 @@ class MicroBatcher:
         if agreed < policy.micro:
             self.reason = f"agreed with the other ranks (a smaller rank proposed {agreed})"
         policy.adopt(agreed)
+        if self.split_by_time and plan is not None:
+            self._begin_check(per_rank, self.split.largest_fitting)
+
+    def _begin_check(self, per_rank: int, largest: int) -> None:
+        """Check a split nominated by time on the first real steps, if the ranks agreed on one (every rank alike)."""
+        policy, split = self.policy, self.split
+        assert policy is not None and split is not None
+        # the fewest micro-batches every rank can run, agreed as the split was: the check, and
+        # its collectives, then run on every rank or on none
+        fewest = choose_split(per_rank, self.coordinator.agree_micro_batch(largest))
+        if accum_steps(per_rank, policy.micro) <= fewest.accum_steps:
+            return
+        if policy.micro != split.micro_batch_size:  # another rank's smaller nomination
+            k = accum_steps(per_rank, policy.micro)
+            split = SplitChoice(total=per_rank, largest_fitting=fewest.largest_fitting, micro_batch_size=policy.micro,
+                                accum_steps=k, seconds=None, fewest_seconds=None, reason=self.reason)
+        self.check = SplitCheck(split=split, fewest=fewest, margin=self.split_margin)
+        self.reason = self._checking_reason()
+
+    @property
+    def checking(self) -> bool:
+        """True while the steps check a split nominated by time: the engine then times each step's passes."""
+        return self.check is not None and self.check.verdict is None
+
+    def _checking_reason(self) -> str:
+        check = self.check
+        assert check is not None and check.arm is not None
+        n, total = len(check.seconds) + 1, 2 * check.pairs
+        if check.arm == "split":
+            return f"{check.split.reason}; checking it on real steps (step {n} of up to {total})"
+        return (f"checking the timed split on real steps (step {n} of up to {total}): this step at the fewest "
+                f"micro-batches, {check.fewest.accum_steps} of {check.fewest.micro_batch_size}")
+
+    def observe_step(self, micro: int, samples: int, ooms: int, seconds: float) -> None:
+        """A step ran ``samples`` in micro-batches of ``micro`` with ``ooms`` OOMs, its passes in ``seconds``: feed the check.
+
+        The times are summed over the ranks first, so that every rank reaches the same verdict.
+        An OOM, or memory pressure that moved the micro-batch, ends the check (memory decides
+        from then on, the split nominated by time capping growth as before); a step run at
+        another micro-batch (split in two for the noise scale), or on a short batch (an epoch's
+        last), is not counted.
+        """
+        check, policy = self.check, self.policy
+        if check is None or check.verdict is not None:
+            return
+        assert policy is not None
+        if ooms or policy.micro != check.micro_batch_size:
+            self.check = None
+            logger.info("the check of the split by time stopped: memory moved the micro-batch to %d", policy.micro)
+            return
+        if micro != check.micro_batch_size or samples != check.split.total:
+            return
+        total = float(self.coordinator.sum_over_ranks(torch.tensor([float(seconds)], dtype=torch.float64))[0])
+        verdict = check.observe(total)
+        if verdict is None:
+            policy.adopt(check.micro_batch_size)
+            self.reason = self._checking_reason()
+            return
+        if verdict == "fewest":
+            policy.ceiling = None  # the split is undone: growth may go where memory allows
+            policy.adopt(check.fewest.micro_batch_size)
+        else:
+            policy.adopt(check.split.micro_batch_size)
+        self.reason = check.reason
+        logger.info("%s", check.reason)
 
     def _choose_split(self, per_rank: int, largest: int, plan: BatchPlan | None) -> None:
         """The initial micro-batch: :func:`~batchpilot.policy.speed.choose_split` under ``largest``, timed by the
@@ -286,6 +357,11 @@ class MicroBatcher:
         policy = self.policy
         if policy is None or self.fixed is not None:
             return
+        if self.checking:
+            # the check compares splits of the old batch: the nominated split carries on, unchecked
+            assert self.check is not None
+            policy.adopt(self.check.split.micro_batch_size)
+            self.check = None
         cap, made = self._micro_cap if self._micro_cap is not None else (policy.micro, policy.micro)
         if policy.micro != made:  # memory moved the micro-batch since the last rebase: it is the cap now
             cap = policy.micro
@@ -318,6 +394,7 @@ class MicroBatcher:
         if saved is None:
             return
         self._make_policy(per_rank, min(int(saved), per_rank))
+        self.check = None
         if policy is not None:
             self.policy.load_state_dict(policy)
         self.reason = f"resumed from a checkpoint at micro-batch {self.policy.micro}"

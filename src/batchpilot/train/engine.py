@@ -37,6 +37,7 @@ from ..dist.coordinator import Coordinator, LocalCoordinator, check_coordinator
 from ..find.finder import find_batch_size
 from ..find.options import FindOptions
 from ..find.result import BatchPlan
+from ..find.timing import step_clock
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import trim_host_memory
 from ..memory.probes import emulated_capacity
@@ -92,8 +93,11 @@ class EngineConfig:
         split: how ``micro_batch_size="auto"`` splits the per-rank batch under the largest
             micro-batch that fits: ``"time"``: the fewest micro-batches, balanced, unless the
             finder's timed trials predict more, smaller ones faster by ``split_margin``
-            (:func:`batchpilot.policy.speed.choose_split`); ``"fewest"``: never by time.
-        split_margin: how much faster (a fraction) a split with more micro-batches must be predicted.
+            (:func:`batchpilot.policy.speed.choose_split`) and the first real steps, in pairs
+            with the fewest, confirm it (:class:`batchpilot.policy.speed.SplitCheck`; else back
+            to the fewest for good); ``"fewest"``: never by time.
+        split_margin: how much faster (a fraction) a split with more micro-batches must be predicted,
+            and measured on the real steps (their median ratio).
 
     Raises:
         ValueError: a value out of range; ``capacity`` unreadable or disagreeing with ``find.capacity``
@@ -492,8 +496,17 @@ class Engine:
                     reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
                 probe.reset()
                 start_bytes = probe.current()
+                # a split nominated by time is checked on real steps: their passes are timed as
+                # the finder times a trial (a sync point on an accelerator, only while checking)
+                read = step_clock(self.device) if self.batcher.checking else None
+                if read is not None:
+                    probe.synchronize()
+                    began = read()
                 # attempt() frees memory outside its except block; the agreement runs on every rank
                 outcome = self._attempt(split, micro)
+                if read is not None:
+                    probe.synchronize()
+                    passes = read() - began
                 if fixed:
                     oom = self.coordinator.agree_oom(outcome.oom)
                 else:
@@ -522,6 +535,8 @@ class Engine:
                 raise explained from exc  # a peer's failure, told by the coordinator
             raise
         self.steps += 1
+        if read is not None:
+            self.batcher.observe_step(micro, n, ooms, passes)
         self._apply_peak = probe.peak()
         peak = max(attempt_peak, self._apply_peak)
         noise = self._commit_noise(skip_reason)

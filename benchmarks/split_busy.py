@@ -1,0 +1,331 @@
+"""The engine's default split, on a busy machine and on a quiet one: against ``split="fewest"`` and the old rule.
+
+1. **Busy** (``--runs``, default 8): the reproduction of issue 36 item 1. A Hugging Face GPT-2
+   built from a config (4 layers, width 256, vocab 5000), padded dict batches (labels -100 at
+   the padding), a ``(sum, count)`` loss; ``find_batch_size_for(..., capacity="256MiB")``, then
+   ``Engine(..., start=plan)`` with its defaults, global batch 64. Each run is a fresh process
+   (the plan's trial times are that process's), beside a co-tenant (``--cotenant PATH``: the
+   shared ``cotenant.py``, started before the first run and stopped after the last). In each
+   process the engines train copies of the model on the same batches, taking turns step by
+   step (the order rotated each round): the default, ``split="fewest"``, and, where the plan
+   nominates a finer split, that split held fixed, which is what the engine kept before
+   the real steps checked it (``old``). A step's time is its ``StepResult.seconds`` (wall);
+   each engine's figure is the median over ``--steps`` steps, the check's steps included.
+2. **Quiet** (``--quiet-runs``, default 3; no co-tenant): ``speed.py``'s CNN (train, one
+   thread), where a split genuinely pays (its largest micro-batch is past a cache cliff). The
+   engine's own search (``EngineConfig(find=FindOptions(capacity="16MiB"))``: it times 3 steps
+   per trial) on a global batch of 96 (about twice the largest fit); the default against the
+   old rule's split held fixed, and the fewest, in turns as above.
+
+    python benchmarks/split_busy.py --cotenant ../shared/tools/cotenant.py
+    python benchmarks/split_busy.py --quick --json split.json
+
+Goals: busy, the default's median step time <= 1.10x ``split="fewest"``'s over the runs, none
+over 1.5x; quiet, the default's samples/s >= 0.95x the old rule's split where that split pays.
+Times on a shared CPU are noisy: read the ratios, measured side by side in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import machine  # noqa: E402
+
+from batchpilot.app.report import format_table, write_json  # noqa: E402
+from batchpilot.find.front import find_batch_size_for  # noqa: E402
+from batchpilot.find.options import FindOptions  # noqa: E402
+from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
+
+BUSY_COLUMNS = ("run", "fewest", "nominated", "default ran", "default", "fewest s", "old", "default/fewest",
+                "old/fewest", "goal")
+QUIET_COLUMNS = ("run", "largest", "fewest", "old split", "default ran", "default/old", "fewest/old", "goal")
+VOCAB = 5000
+
+
+# ---------------------------------------------------------------------------
+# the busy reproduction: one fresh process per run
+
+
+def gpt2(quick: bool) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64 if quick else 256, n_layer=1 if quick else 4,
+                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+def padded_batch(g: torch.Generator, size: int, longest: int) -> dict[str, torch.Tensor]:
+    """``size`` sequences of 8..``longest`` tokens, right-padded to the batch's longest; labels -100 there."""
+    lengths = torch.randint(8, longest + 1, (size,), generator=g)
+    width = int(lengths.max())
+    ids = torch.randint(1, VOCAB, (size, width), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy as ``(sum, count)`` over the real (not padded) positions."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    total = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return total, (labels != -100).sum()
+
+
+def interleave(engines: dict[str, Engine], batches: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each engine trains on every batch; the engines take turns step by step, the order rotated each round."""
+    names = list(engines)
+    steps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for i, batch in enumerate(batches):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            r = engines[n].step(batch)
+            steps[n].append({"seconds": r.seconds, "micro": r.micro_batch_size, "accum": r.accum_steps,
+                             "reason": r.micro_batch_reason})
+        print(f"  step {i + 2}: " + ", ".join(f"{n} {steps[n][-1]['accum']} x {steps[n][-1]['micro']} "
+                                               f"{steps[n][-1]['seconds']:.2f} s" for n in names),
+              file=sys.stderr, flush=True)
+    return steps
+
+
+def busy_worker(args: argparse.Namespace) -> dict[str, Any]:
+    model = gpt2(args.quick)
+    g = torch.Generator().manual_seed(args.seed)
+    example = padded_batch(g, 64, args.longest)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t0 = time.perf_counter()
+    plan = find_batch_size_for(model, example, optimizer=opt, loss_fn=lm_loss, capacity=args.capacity)
+    find_seconds = time.perf_counter() - t0
+    print(f"  plan {plan.batch_size} in {find_seconds:.0f} s, timed {plan.timed_points()}", file=sys.stderr, flush=True)
+    engines = {}
+    copies = {}
+    for name in ("default", "fewest"):
+        m, o = copy.deepcopy((model, opt))
+        copies[name] = (m, o)
+        cfg = EngineConfig() if name == "default" else EngineConfig(split="fewest")
+        engines[name] = Engine(m, o, lm_loss, global_batch_size=64, start=plan, config=cfg)
+    batches = [padded_batch(g, 64, args.longest) for _ in range(args.steps)]
+    first = engines["default"].step(batches[0])  # the split is nominated on the first step
+    nominated = engines["default"].split
+    engines["fewest"].step(batches[0])
+    assert nominated is not None
+    fewest_split = engines["fewest"].split
+    if nominated.accum_steps != fewest_split.accum_steps:
+        m, o = copy.deepcopy((model, opt))
+        # what the engine kept before its real steps checked the split: the nomination, balanced, held
+        engines["old"] = Engine(m, o, lm_loss, global_batch_size=64, start=nominated.micro_batch_size,
+                                config=EngineConfig(split="fewest", adapt=False))
+        engines["old"].step(batches[0])
+    steps = interleave(engines, batches[1:])
+    steps["default"].insert(0, {"seconds": first.seconds, "micro": first.micro_batch_size,
+                                "accum": first.accum_steps, "reason": first.micro_batch_reason})
+    check = engines["default"].batcher.check
+    return {
+        "find_seconds": find_seconds, "plan": {"batch_size": plan.batch_size, "timed": plan.timed_points()},
+        "fewest": [fewest_split.micro_batch_size, fewest_split.accum_steps],
+        "nominated": [nominated.micro_batch_size, nominated.accum_steps], "nominated_reason": nominated.reason,
+        "verdict": None if check is None else check.verdict,
+        "ratios": None if check is None else check.ratios(),
+        "final": [engines["default"].micro_batch_size, engines["default"].micro_batch_reason],
+        "steps": steps,
+        "median": {n: statistics.median(s["seconds"] for s in st) for n, st in steps.items()},
+    }
+
+
+# ---------------------------------------------------------------------------
+# the quiet check: speed.py's CNN, in this process
+
+
+def quiet_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
+    from batchpilot.app.models import build_model, example_batch
+    from batchpilot.core.batch import make_batch_fn
+
+    torch.manual_seed(run)
+    model = build_model("cnn", **({"widths": (4, 8, 16)} if args.quick else {}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    make = make_batch_fn(example_batch(model, 8, generator=torch.Generator().manual_seed(run)))
+    ce = torch.nn.CrossEntropyLoss()
+
+    def loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return ce(m(b[0]), b[1])
+
+    total = args.quiet_batch
+    find = FindOptions(capacity=args.quiet_capacity)
+    m, o = copy.deepcopy((model, opt))
+    default = Engine(m, o, loss, global_batch_size=total, config=EngineConfig(find=find))
+    batches = [make(total) for _ in range(args.quiet_steps)]
+    first = default.step(batches[0])
+    nominated = default.split
+    assert nominated is not None
+    engines = {"default": default}
+    m, o = copy.deepcopy((model, opt))
+    engines["fewest"] = Engine(m, o, loss, global_batch_size=total, start=nominated.largest_fitting,
+                               config=EngineConfig(split="fewest", adapt=False))
+    m, o = copy.deepcopy((model, opt))
+    engines["old"] = Engine(m, o, loss, global_batch_size=total, start=nominated.micro_batch_size,
+                            config=EngineConfig(split="fewest", adapt=False))
+    for name in ("fewest", "old"):
+        engines[name].step(batches[0])
+    steps = interleave(engines, batches[1:])
+    steps["default"].insert(0, {"seconds": first.seconds, "micro": first.micro_batch_size,
+                                "accum": first.accum_steps, "reason": first.micro_batch_reason})
+    med = {n: statistics.median(s["seconds"] for s in st[1:]) for n, st in steps.items()}  # the search is in step 1
+    check = default.batcher.check
+    return {"run": run, "total": total, "largest": nominated.largest_fitting,
+            "nominated": [nominated.micro_batch_size, nominated.accum_steps], "nominated_reason": nominated.reason,
+            "fewest": [steps["fewest"][-1]["micro"], steps["fewest"][-1]["accum"]],
+            "verdict": None if check is None else check.verdict,
+            "ratios": None if check is None else check.ratios(),
+            "final": [default.micro_batch_size, default.micro_batch_reason], "steps": steps, "median": med,
+            "pays": med["old"] < 0.95 * med["fewest"]}
+
+
+# ---------------------------------------------------------------------------
+
+
+def run_busy(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for run in range(1, args.runs + 1):
+        cmd = [sys.executable, __file__, "--worker", "--seed", str(run), "--steps", str(args.steps),
+               "--longest", str(args.longest), "--capacity", args.capacity] + (["--quick"] if args.quick else [])
+        # its progress (stderr) passes through; its result is the line on stdout
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"run {run} failed ({proc.returncode}):\n{proc.stdout[-2000:]}")
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        r = json.loads(line[len("RESULT "):])
+        r["run"] = run
+        med = r["median"]
+        r["default_over_fewest"] = med["default"] / med["fewest"]
+        r["old_over_fewest"] = med["old"] / med["fewest"] if "old" in med else None
+        print(f"[busy run {run}] plan {r['plan']['batch_size']}, nominated {r['nominated']}, verdict {r['verdict']}, "
+              f"default/fewest {r['default_over_fewest']:.3f}" +
+              (f", old/fewest {r['old_over_fewest']:.3f}" if r["old_over_fewest"] else ""), flush=True)
+        rows.append(r)
+    return rows
+
+
+def _split(micro_accum: list[int]) -> str:
+    return f"{micro_accum[1]} x {micro_accum[0]}"
+
+
+def busy_row(r: dict[str, Any]) -> tuple:
+    ran = sorted({(s["accum"], s["micro"]) for s in r["steps"]["default"]})
+    old = r["median"].get("old")
+    return (r["run"], _split(r["fewest"]), _split(r["nominated"]),
+            ", ".join(f"{k} x {m}: {sum(1 for s in r['steps']['default'] if s['accum'] == k)}" for k, m in ran),
+            f"{r['median']['default']:.2f} s", f"{r['median']['fewest']:.2f} s",
+            "-" if old is None else f"{old:.2f} s", f"{r['default_over_fewest']:.3f}",
+            "-" if r["old_over_fewest"] is None else f"{r['old_over_fewest']:.3f}",
+            "met" if r["default_over_fewest"] <= 1.5 else "missed")
+
+
+def quiet_row(r: dict[str, Any]) -> tuple:
+    ran = sorted({(s["accum"], s["micro"]) for s in r["steps"]["default"]})
+    med = r["median"]
+    ratio = med["default"] / med["old"]
+    return (r["run"], r["largest"], f"{med['fewest'] * 1e3:.1f} ms", f"{_split(r['nominated'])}: "
+            f"{med['old'] * 1e3:.1f} ms", ", ".join(f"{k} x {m}" for k, m in ran), f"{ratio:.3f}",
+            f"{med['fewest'] / med['old']:.3f}",
+            ("met" if ratio <= 1 / 0.95 else "missed") if r["pays"] else "split does not pay")
+
+
+def format_result(doc: dict[str, Any]) -> str:
+    out = [f"split_busy: torch {doc['machine']['torch']}, {doc['date']}, co-tenant: {doc['cotenant'] or 'none'}"]
+    if doc["busy"]:
+        rows = doc["busy"]
+        ratios = [r["default_over_fewest"] for r in rows]
+        out += ["", f"busy: GPT-2 (4 x 256, vocab 5000), global 64, capacity {doc['capacity']}, {doc['steps']} steps "
+                    "per engine, median step seconds (wall, StepResult.seconds); 'default ran': the splits the "
+                    "default's steps ran (the check's included) and how many steps each",
+                format_table(BUSY_COLUMNS, [busy_row(r) for r in rows]),
+                f"default/fewest: median {statistics.median(ratios):.3f} over {len(rows)} runs, worst "
+                f"{max(ratios):.3f}; goal (median <= 1.10, none over 1.5): "
+                + ("met" if statistics.median(ratios) <= 1.10 and max(ratios) <= 1.5 else "missed")]
+    if doc["quiet"]:
+        out += ["", f"quiet: speed.py's CNN (train, one thread), the engine's own search at {doc['quiet_capacity']}, "
+                    "global batch twice the largest fit, median step time over the steps after the first; "
+                    "'old split': the split the old rule kept; goal default/old <= 1/0.95 where it pays",
+                format_table(QUIET_COLUMNS, [quiet_row(r) for r in doc["quiet"]])]
+    out.append(f"total {doc['seconds']:.0f} s")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=8, help="busy runs, each a fresh process (default 8)")
+    p.add_argument("--steps", type=int, default=8, help="steps per engine per busy run (default 8)")
+    p.add_argument("--longest", type=int, default=32, help="longest sequence of the busy batches (default 32)")
+    p.add_argument("--capacity", default="256MiB", help="the busy search's emulated capacity (default 256MiB)")
+    p.add_argument("--cotenant", type=Path, default=None, help="cotenant.py to run beside the busy runs")
+    p.add_argument("--cotenant-args", default="--procs 2 --threads 2 --on 0.1,1.5 --off 0.1,1.5",
+                   help="its arguments (default: 2 processes, bursts of 0.1-1.5 s on and off)")
+    p.add_argument("--quiet-runs", type=int, default=3, help="quiet CNN runs (default 3; 0 skips)")
+    p.add_argument("--quiet-steps", type=int, default=24, help="steps per engine per quiet run (default 24)")
+    p.add_argument("--quiet-batch", type=int, default=96,
+                   help="the quiet runs' global batch (default 96: twice the CNN's largest fit at 16MiB)")
+    p.add_argument("--quiet-capacity", default="16MiB", help="the quiet search's emulated capacity (default 16MiB)")
+    p.add_argument("--quick", action="store_true", help="tiny models, 1 run each, few steps (the tests)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs, args.steps, args.longest = min(args.runs, 1), min(args.steps, 3), min(args.longest, 12)
+        args.quiet_runs, args.quiet_steps = min(args.quiet_runs, 1), min(args.quiet_steps, 3)
+        args.quiet_batch = min(args.quiet_batch, 16)
+    if args.worker:
+        print("RESULT " + json.dumps(busy_worker(args)), flush=True)
+        return 0
+    doc: dict[str, Any] = {
+        "benchmark": "split_busy", "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/split_busy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(), "capacity": args.capacity, "quiet_capacity": args.quiet_capacity, "steps": args.steps,
+        "cotenant": None if args.cotenant is None else f"{args.cotenant.name} {args.cotenant_args}",
+        "busy": [], "quiet": [],
+    }
+    t_start = time.perf_counter()
+    cotenant = None
+    if args.cotenant is not None:
+        # a session of its own: its worker processes are stopped with it, as one group
+        cotenant = subprocess.Popen([sys.executable, str(args.cotenant), *args.cotenant_args.split(),
+                                     "--seconds", "3600"], start_new_session=True)
+    try:
+        doc["busy"] = run_busy(args) if args.runs > 0 else []
+    finally:
+        if cotenant is not None:
+            os.killpg(cotenant.pid, signal.SIGTERM)
+            cotenant.wait()
+    if args.quiet_runs > 0:
+        torch.set_num_threads(1)  # as speed.py: a shared 2-core machine
+        for run in range(1, args.quiet_runs + 1):
+            r = quiet_run(args, run)
+            print(f"[quiet run {run}] nominated {r['nominated']}, verdict {r['verdict']}, default/old "
+                  f"{r['median']['default'] / r['median']['old']:.3f}", flush=True)
+            doc["quiet"].append(r)
+    doc["seconds"] = time.perf_counter() - t_start
+    print()
+    print(format_result(doc))
+    if args.json is not None:
+        write_json(doc, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
