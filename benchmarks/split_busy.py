@@ -66,7 +66,7 @@ def gpt2(quick: bool) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64 if quick else 256, n_layer=1 if quick else 4,
-                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     return GPT2LMHeadModel(cfg)
 

@@ -153,6 +153,23 @@ def test_a_split_that_pays_on_a_quiet_machine_but_not_under_load_keeps_the_fewes
     assert eng.batcher.check.ratios() == pytest.approx([0.068 / 0.161, 3 * 0.068 / 0.161])
 
 
+def test_an_oom_at_the_checks_fewest_step_ends_the_check_at_the_nominated_split(monkeypatch):
+    clock = CurveClock(monkeypatch, cache_cliff)
+    model, opt = make("mlp")
+    loss = InjectOOM(clock.loss, in_step={(1, 0)})  # the second step: the check's first at the fewest
+    plan = timed_plan(64, cache_cliff, (1, 8, 16, 32, 64))
+    eng = Engine(model, opt, loss, global_batch_size=64, start=plan)
+    results = []
+    for b in batches(model, 64, 4):
+        loss.begin_step()
+        results.append(eng.step(b))
+    assert [(r.micro_batch_size, r.accum_steps, r.ooms) for r in results] == [(16, 4, 0), (16, 4, 1), (16, 4, 0),
+                                                                              (16, 4, 0)]
+    assert results[1].micro_batch_reason == eng.micro_batch_reason == (
+        "shrunk after an out-of-memory error at micro-batch 64: the split by time carries on, unchecked")
+    assert eng.batcher.check is None and eng.policy.ceiling == 16
+
+
 def test_the_reason_follows_an_oom_and_the_growth_back():
     model, opt = make("mlp")
     loss = InjectOOM(CE, in_step={(1, 0)})

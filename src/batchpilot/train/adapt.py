@@ -159,8 +159,9 @@ class MicroBatcher:
         """A step ran ``samples`` in micro-batches of ``micro`` with ``ooms`` OOMs, its passes in ``seconds``: feed the check.
 
         The times are summed over the ranks first, so that every rank reaches the same verdict.
-        An OOM, or memory pressure that moved the micro-batch, ends the check (memory decides
-        from then on, the split nominated by time capping growth as before); a step run at
+        An OOM (:meth:`shrink_after_oom` ends the check first), or memory pressure that moved the
+        micro-batch, ends the check (memory decides from then on, the split nominated by time
+        capping growth as before); a step run at
         another micro-batch (split in two for the noise scale), or on a short batch (an epoch's
         last), is not counted.
         """
@@ -329,6 +330,9 @@ class MicroBatcher:
     def shrink_after_oom(self, micro: int, message: str) -> None:
         """Every rank agreed on an OOM at ``micro``: halve (agreed), or raise at one sample.
 
+        During the check of a split by time, the check ends and the nominated split carries on
+        (or the halved size, if smaller).
+
         Raises:
             BatchDoesNotFitError: the OOM was at a micro-batch of 1.
         """
@@ -344,8 +348,16 @@ class MicroBatcher:
                 f"{format_bytes(self._capacity())}; {message}): the model, its gradients and optimizer "
                 "state do not fit; use a smaller model, mixed precision (amp='bf16'), or a larger device"
             )
+        reason = f"shrunk after an out-of-memory error at micro-batch {micro}"
+        if self.checking:
+            # the check's step at the fewest micro-batches ran out: the nominated split, which ran,
+            # carries on (every rank agreed on the OOM, so every rank ends its check here)
+            assert self.check is not None
+            policy.adopt(min(policy.micro, self.check.split.micro_batch_size))
+            self.check = None
+            reason += ": the split by time carries on, unchecked"
         policy.adopt(self.coordinator.agree_micro_batch(policy.micro))
-        self.reason = f"shrunk after an out-of-memory error at micro-batch {micro}"
+        self.reason = reason
         logger.warning(
             "out of memory at micro-batch %d; retrying the same %d samples at micro-batch %d",
             micro, policy.limit, policy.micro,
