@@ -10,7 +10,9 @@
    step (the order rotated each round): the default, ``split="fewest"``, and, where the plan
    nominates a finer split, that split held fixed, which is what the engine kept before
    the real steps checked it (``old``). A step's time is its ``StepResult.seconds`` (wall);
-   each engine's figure is the median over ``--steps`` steps, the check's steps included.
+   each engine's figure is the median over its steps: the default's ``--steps``, its first (at
+   the nominated split, where the check starts) and the check's included; the others' after a
+   first step that warms them up.
 2. **Quiet** (``--quiet-runs``, default 3; no co-tenant): ``speed.py``'s CNN (train, one
    thread), where a split genuinely pays (its largest micro-batch is past a cache cliff). The
    engine's own search (``EngineConfig(find=FindOptions(capacity="16MiB"))``: it times 3 steps
