@@ -233,6 +233,13 @@ def _vocab_size(model: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def _check_groups(rows: list[list[int]], group_size: int) -> None:
+    positive_int("group_size", group_size)
+    if len(rows) % group_size or any(rows[i] != rows[i - i % group_size] for i in range(len(rows))):
+        raise ValueError(f"group_size={group_size}: the {len(rows)} prompts are not runs of {group_size} identical "
+                         "prompts; repeat each prompt group_size times in a row, or leave group_size out")
+
+
 def _check_context(model: Any, prompts: list[list[int]], news: list[int]) -> None:
     context = context_length(model)
     if context is None:
@@ -320,16 +327,25 @@ def _plan(lengths: Sequence[int], budget: Any, new_tokens: int) -> list[tuple[li
     return out
 
 
+def _whole(batch: int, group: int) -> int:
+    """``batch`` rounded down to whole groups of ``group`` rows; below one group, ``batch`` itself."""
+    return batch if batch < group else batch // group * group
+
+
 def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: MemoryRoom, out: Generations, *,
          pad: int, eos: tuple[int, ...], other_stops: bool, kwargs: dict[str, Any],
-         results: list[list[int] | None]) -> list[list[int]]:
-    """Every prompt without a result through ``generate`` in batches, longest first; an OOM splits its batch."""
+         results: list[list[int] | None], group: int = 1) -> list[list[int]]:
+    """Every prompt without a result through ``generate`` in batches, longest first; an OOM splits its batch.
+
+    With ``group`` > 1 the rows come in runs of ``group`` identical prompts and every batch holds
+    whole runs (sorted by length, a run stays together), unless one run alone does not fit.
+    """
     lengths = [len(p) for p in rows]
     dev = room.device
     longest_new = max(news)
 
     def budget(length: int) -> int:
-        return max(1, sizer(length))  # a model that fits none: one prompt, and the run decides
+        return max(1, _whole(sizer(length), group))  # a model that fits none: one prompt, and the run decides
 
     def plan(idx: list[int], size: Any = budget) -> list[tuple[list[int], int]]:
         return [([idx[k] for k in p], L) for p, L in _plan([lengths[i] for i in idx], size, longest_new)]
@@ -354,8 +370,9 @@ def _run(model: Any, rows: list[list[int]], news: list[int], sizer: Any, room: M
                     batch_size=1, peak_bytes=None, limit_bytes=room.limit_bytes, capacity_bytes=room.capacity_bytes)
             logger.info("a batch of %d prompts padded to %d ran out of memory: splitting it", len(idx), length)
             sizer.note_oom(len(idx), length, n)
-            half = (len(idx) + 1) // 2
-            queue = replan(plan(idx, lambda L: max(1, min(half, sizer(L)))), rest)
+            # halves of whole groups; a batch of one group (or less) is halved by rows
+            half = (len(idx) // group + 1) // 2 * group if len(idx) > group else (len(idx) + 1) // 2
+            queue = replan(plan(idx, lambda L: max(1, min(half, _whole(sizer(L), group)))), rest)
             continue
         for i, row in zip(idx, done.result or ()):
             results[i] = _finish(row, news[i], eos, pad, other_stops)
@@ -373,7 +390,7 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
                        pad_token_id: int, eos_token_id: int | Sequence[int] | None = None, target: float | None = None,
                        capacity: int | str | None = None, device: torch.device | str | int | None = None,
                        memory: GenerationMemory | None = None, agree: Callable[[Any], list[Any]] | None = None,
-                       **generate_kwargs: Any) -> Generations:
+                       group_size: int = 1, **generate_kwargs: Any) -> Generations:
     """Generate for every prompt, in batches grouped by length and sized for the memory; outputs in input order.
 
     Prompts are token ids without padding. They run longest first, each batch left-padded to
@@ -408,6 +425,9 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
             no larger than any other rank's model allows at the same shape. It is the call's one
             collective, which every rank reaches once, with no prompts or a failed sizing too
             (a failure is then raised on every rank).
+        group_size: the prompts come in runs of ``group_size`` identical prompts (several completions
+            of one prompt, as RL trainers draw them): every batch holds whole runs, unless one run
+            alone does not fit, and the sizing trials run made-up prompts.
         **generate_kwargs: passed to every ``generate`` call, trials included.
 
     Returns:
@@ -417,7 +437,8 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
         TypeError: prompts that are no sequences of token ids, a model without ``generate``.
         ValueError: an empty prompt, a token outside the vocabulary, a prompt with its new tokens
             longer than the model's context, ``max_new_tokens`` that leave no room for a prompt,
-            arguments generate_by_length sets itself (``max_length``, ``attention_mask``).
+            arguments generate_by_length sets itself (``max_length``, ``attention_mask``), a
+            ``group_size`` that does not divide the prompts into runs of identical ones.
         BatchSizeError: a bad ``target`` or ``capacity``.
         NothingFitsError: a single prompt does not fit.
         UnverifiedShapeError: a ``memory`` fitted on shorter prompts or fewer new tokens.
@@ -430,7 +451,7 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
     try:
         return _generate(model, prompts, out, began, reached, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                          eos_token_id=eos_token_id, target=target, capacity=capacity, device=device, memory=memory,
-                         agree=agree, generate_kwargs=generate_kwargs)
+                         agree=agree, group_size=group_size, generate_kwargs=generate_kwargs)
     except Exception as exc:  # every rank must reach the agreement, failed or not
         if agree is None or reached[0]:
             raise
@@ -440,7 +461,7 @@ def generate_by_length(model: Any, prompts: Sequence[Sequence[int]], *, max_new_
 
 def _generate(model: Any, prompts: Any, out: Generations, began: float, reached: list[bool], *, max_new_tokens: Any,
               pad_token_id: int, eos_token_id: Any, target: float | None, capacity: int | str | None, device: Any,
-              memory: GenerationMemory | None, agree: Callable[[Any], list[Any]] | None,
+              memory: GenerationMemory | None, agree: Callable[[Any], list[Any]] | None, group_size: int,
               generate_kwargs: dict[str, Any]) -> Generations:
     """:func:`generate_by_length`'s work; ``reached[0]`` is set once this rank has taken part in ``agree``."""
     rows = _prompts(prompts, _vocab_size(model))
@@ -450,6 +471,7 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
             exchange(agree, None, what="generation sizing")  # takes part, bringing nothing to size by
         return out
     news = _new_tokens(max_new_tokens, len(rows))
+    _check_groups(rows, group_size)
     _check_generate_kwargs(model, generate_kwargs)
     _check_context(model, rows, news)
     pad = check_token_id("pad_token_id", pad_token_id)
@@ -479,7 +501,7 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
             try:
                 memory = fit_in(model, room, prompt_lengths=lengths, max_new_tokens=longest_new, pad_token_id=pad,
                                 eos=eos, max_batch_size=len(rows), generate_kwargs=generate_kwargs,
-                                prompts=dict(enumerate(rows)) if greedy else None)
+                                prompts=dict(enumerate(rows)) if greedy and group_size == 1 else None)
                 out.trials = list(memory.trials)
                 sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
             except GenerationFitError as exc:
@@ -504,7 +526,7 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
             for i, row in zip(t.prompts, t.outputs):
                 done[i] = _finish(row, news[i], eos, pad, other_stops)
         results = _run(model, rows, news, sizer, room, out, pad=pad, eos=eos, other_stops=other_stops, kwargs=kwargs,
-                       results=done)
+                       results=done, group=group_size)
     out.extend(results)  # type: ignore[arg-type]
     out.seconds = time.perf_counter() - began
     logger.info("%d prompts in %d batches (%d OOM), sized in %.2fs by %s from %d trials; %.2fs in all",

@@ -11,9 +11,11 @@ Each integration is its own module and imports only its own framework, on first 
 - :mod:`batchpilot.integrations.accelerate`: a drop-in ``find_executable_batch_size`` with the
   finder's search and agreement between ranks;
 - :mod:`batchpilot.integrations.lm_eval`: ``BatchpilotLM``, lm-evaluation-harness's ``HFLM`` with
-  batches sized by length, registered as the model ``batchpilot``.
+  batches sized by length, registered as the model ``batchpilot``;
+- :mod:`batchpilot.integrations.trl`: ``ResilientGRPOTrainer``, TRL's ``GRPOTrainer`` with generation in
+  whole prompt groups and training micro-batches sized by batchpilot, OOMs survived, the same update.
 
-``pip install 'batchpilot[integrations]'`` installs the four frameworks at the versions tested.
+``pip install 'batchpilot[integrations]'`` installs the five frameworks at the versions tested.
 Importing this package imports none of them.
 """
 
@@ -24,9 +26,9 @@ from types import ModuleType
 
 from ._common import BatchSetup, SizingOptions
 
-__all__ = ["BatchSetup", "SizingOptions", "lightning", "transformers", "accelerate", "lm_eval"]
+__all__ = ["BatchSetup", "SizingOptions", "lightning", "transformers", "accelerate", "lm_eval", "trl"]
 
-_MODULES = ("lightning", "transformers", "accelerate", "lm_eval")
+_MODULES = ("lightning", "transformers", "accelerate", "lm_eval", "trl")
 
 
 def __getattr__(name: str) -> ModuleType:
