@@ -151,6 +151,7 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
     Attributes:
         batchpilot_engine: the :class:`batchpilot.Engine` of the training steps (after the first).
         batchpilot_last_step: the engine's :class:`batchpilot.StepResult` of the last step.
+        batchpilot_step_ooms: the training OOMs survived in each step, in order.
         batchpilot_generation: one :class:`GenerationStats` per generation batch.
         batchpilot_generation_memory: the generation memory model in use, or ``None``.
         batchpilot_scoring_ooms: OOMs survived while scoring.
@@ -196,6 +197,7 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         self._bp_generation_ooms = 0
         self.batchpilot_engine: Engine | None = None
         self.batchpilot_last_step: StepResult | None = None
+        self.batchpilot_step_ooms: list[int] = []
         self.batchpilot_generation: list[GenerationStats] = []
         self.batchpilot_generation_memory: GenerationMemory | None = None
         self.batchpilot_scoring_ooms = 0
@@ -356,6 +358,7 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         engine = self._batchpilot_engine(model)
         result = engine.step(rows)
         self.batchpilot_last_step = result
+        self.batchpilot_step_ooms.append(result.ooms)
         return result.loss_tensor
 
     def _batchpilot_engine(self, model: nn.Module) -> Engine:
