@@ -9,12 +9,15 @@ fall back to ``getrusage`` and the physical memory, and no limit is found.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
-import threading
+import subprocess
+import sys
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,60 +83,132 @@ def address_space_peak() -> int | None:
     return _status_kib("VmPeak")
 
 
-class ResidentPeak:
-    """The peak resident set size since :meth:`reset`.
+#: the sampler's program: it reads this process's ``statm`` every ``interval`` seconds while a window
+#: is open and answers one line per command on stdin: ``r`` opens a window, ``p`` gives its peak (in
+#: pages), ``s`` closes it; end of input ends it (its parent is gone or done)
+_SAMPLER = r"""
+import os, select, sys
+fd = os.open("/proc/%s/statm" % sys.argv[1], os.O_RDONLY)
+interval = float(sys.argv[2])
+inp = sys.stdin.fileno()
+top = None
+while True:
+    ready = select.select([inp], [], [], None if top is None else interval)[0]
+    if top is not None:
+        top = max(top, int(os.pread(fd, 256, 0).split()[1]))
+    if not ready:
+        continue
+    data = os.read(inp, 64)
+    if not data:
+        break
+    for cmd in data.split():
+        now = int(os.pread(fd, 256, 0).split()[1])
+        top = now if cmd == b"r" else None if cmd == b"s" else max(top or 0, now)
+        os.write(1, b"%d\n" % (top or 0))
+"""
 
-    Linux keeps the high-water mark (``VmHWM``) and resets it to the current size when ``5`` is
-    written to ``/proc/self/clear_refs`` (an O(1) write). Where that is refused (an old kernel,
-    a locked-down ``/proc``) a thread samples the resident size every ``interval`` seconds
-    between :meth:`reset` and :meth:`peak`: a short spike between samples can be missed.
+
+def _high_water() -> int | None:
+    """The process's resident high-water mark (``VmHWM``; ``ru_maxrss`` off Linux), never reset by batchpilot."""
+    hwm = _status_kib("VmHWM")
+    if hwm is None and resource is not None:
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return hwm
+
+
+class ResidentPeak:
+    """The peak resident set size in a window (from :meth:`reset` to :meth:`peak`), read without resetting anything.
+
+    The kernel's high-water mark (``VmHWM``) is what ``ru_maxrss``, ``/usr/bin/time`` and a job
+    scheduler report for the process; resetting it (``/proc/self/clear_refs``) would change the
+    user's own accounting, so it is only read: a window that rose above it has the new mark as
+    its exact peak. Below the mark, a small process of its own samples this process's resident
+    size every ``interval`` seconds during the window: a thread of this process would map a
+    stack and a malloc arena (72 MiB of address space, which ``RLIMIT_AS`` counts), and would
+    wait for the GIL. A spike shorter than ``interval`` between two samples can be missed;
+    steps whose peak decides a batch size hold it for longer. Where no sampler can start (no
+    ``/proc``, no interpreter to run), the window's peak is the larger of the kernel's mark if
+    it rose and the resident size when read.
     """
 
-    def __init__(self, interval: float = 0.002) -> None:
+    def __init__(self, interval: float = 0.001) -> None:
         self.interval = interval
-        self._kernel = True
-        self._sampled = 0
-        self._stop: threading.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen | None = None
+        self._failed = False
+        self._mark: int | None = None
+        self._window = False
 
     def reset(self) -> None:
-        if self._kernel:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                return
-            except OSError as exc:
-                logger.info("cannot reset the resident high-water mark (%s); sampling it instead", exc)
-                self._kernel = False
-        self._start_sampling()
+        """Open a window: its peak starts at the resident size now."""
+        self._mark = _high_water()
+        self._window = self._ask(b"r") is not None
 
     def peak(self) -> int:
-        if self._kernel:
-            hwm = _status_kib("VmHWM")
-            if hwm is not None:
-                return hwm
-        return max(self._sampled, resident_bytes())
-
-    def _start_sampling(self) -> None:
-        self._stop_sampling()
-        self._sampled = resident_bytes()
-        stop = threading.Event()
-
-        def run() -> None:
-            while not stop.wait(self.interval):
-                self._sampled = max(self._sampled, resident_bytes())
-
-        self._stop, self._thread = stop, threading.Thread(target=run, name="batchpilot-rss", daemon=True)
-        self._thread.start()
-
-    def _stop_sampling(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
-            self._thread.join()
-            self._stop = self._thread = None
+        """The largest resident size seen since :meth:`reset` (the size now, when it was not reset)."""
+        now = resident_bytes()
+        sampled = self._ask(b"p") if self._window else None
+        best = max(now, 0 if sampled is None else sampled * _PAGE)
+        mark = _high_water()
+        if mark is not None and self._mark is not None and mark > self._mark:
+            best = max(best, mark)  # the window set a new high-water mark: that is its peak
+        return best
 
     def close(self) -> None:
-        self._stop_sampling()
+        """Close the window (the sampler stops sampling until the next :meth:`reset`)."""
+        if self._window:
+            self._ask(b"s")
+            self._window = False
+
+    def _ask(self, command: bytes) -> int | None:
+        """Send one command to the sampler (started on first use); its answer in pages, or ``None`` without one."""
+        proc = self._sampler()
+        if proc is None:
+            return None
+        try:
+            proc.stdin.write(command + b"\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            return int(line)
+        except (OSError, ValueError):
+            self._failed = True
+            self._stop()
+            logger.info("the resident-size sampler stopped; window peaks are read when they end")
+            return None
+
+    def _sampler(self) -> subprocess.Popen | None:
+        if self._proc is not None or self._failed:
+            return self._proc
+        if not os.path.exists(f"/proc/{os.getpid()}/statm") or not sys.executable:
+            self._failed = True
+            return None
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _SAMPLER, str(os.getpid()), repr(self.interval)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+        except OSError as exc:
+            self._failed = True
+            logger.info("cannot start the resident-size sampler (%s); window peaks are read when they end", exc)
+            return None
+        # the sampler ends with this object (its input closes), or with the process
+        self._finalizer = weakref.finalize(self, _end_sampler, self._proc)
+        return self._proc
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._finalizer()
+            self._proc = None
+        self._window = False
+
+
+def _end_sampler(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            stream.close()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass(frozen=True, kw_only=True)
