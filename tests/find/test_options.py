@@ -72,7 +72,7 @@ def test_find_batch_size_for_refuses_a_misspelt_option_before_any_work():
     ({"min_batch_size": 0}, "min_batch_size must be a positive int"),
     ({"max_trials": 2.5}, "max_trials must be a positive int"),
     ({"min_batch_size": 8, "max_batch_size": 4}, "min_batch_size 8 is larger than max_batch_size 4; lower"),
-    ({"progress": "yes"}, "progress must be True or False"),
+    ({"progress": "yes"}, "progress must be True, False or None"),
     ({"tolerance": 0.5}, r"tolerance must be a fraction in \[0, 0.5\)"),
     ({"snapshot": "cloud"}, "snapshot must be 'auto', 'memory' or 'disk'"),
     ({"objective": "speed"}, "objective must be one of"),

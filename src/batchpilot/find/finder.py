@@ -22,9 +22,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from .._progress import Progress
 from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
-from ..memory.host import pin_malloc_threshold
+from ..memory.host import physical_bytes, pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import emulate_capacity, emulated_capacity, track_peak
 from ..memory.tracker import active_tracker
@@ -50,7 +51,7 @@ from ..policy.search import (
 from ..policy.speed import choose_fastest, fit_time, search_throughput, timed_fits
 from .notes import note_trial_error
 from .options import FindOptions
-from .result import BatchPlan, MemoryFit
+from .result import BatchPlan, MemoryFit, trial_line
 from .snapshot import StateSnapshot
 from .timing import outside_trackers, step_clock, timed
 
@@ -65,17 +66,6 @@ logger = logging.getLogger(__name__)
 
 # devices whose capacity memory.emulate_capacity can enforce
 _EMULATED = ("cpu", "cuda")
-
-def _progress_bar(enabled: bool, strategy: str) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        logger.warning("progress=True needs tqdm (pip install tqdm); continuing without a progress bar")
-        return None
-    return tqdm(desc=f"batch size ({strategy})", unit="trial")
-
 
 def find_batch_size(
     step: Callable[[int], Any],
@@ -151,6 +141,8 @@ def find_batch_size(
         raise BatchSizeError("objective='throughput' is not available for ranks in lockstep (FSDP2); "
                              "use objective='memory' and let the engine split the batch by speed")
     dev = resolve_device(device)
+    # before anything is measured: on a terminal its first line is written now
+    shown = Progress(f"finding the batch size on {dev}", enabled=cfg.progress)
     targets = [o for o in restore if o is not None]
     emulated = cfg.capacity is not None and dev.type in _EMULATED
     # called inside the caller's own emulate_capacity: measure against that emulation
@@ -177,7 +169,6 @@ def find_batch_size(
     free_memory(dev)
     spill = _spill(cfg.snapshot, gauge, targets)
     snap = StateSnapshot(targets, spill=spill)
-    bar = None
     verified: list[Trial] = []
     try:
         with contextlib.ExitStack() as stack:
@@ -195,22 +186,22 @@ def find_batch_size(
             )
             if lockstep is not None:
                 space = lockstep.agree_space(space)  # one search for every rank: the smallest device
-            logger.info(
-                "finding the batch size on %s: strategy %s, %s memory, limit %s (%s)%s",
-                dev, policy.name, gauge.kind, format_bytes(space.limit_bytes),
+            header = "strategy {}, {} memory, limit {} ({}{})".format(
+                policy.name, gauge.kind, format_bytes(space.limit_bytes),
                 f"{100 * cfg.target:.0f}% of {format_bytes(cap)}" if base is None else
                 f"{format_bytes(base)} in use + {100 * cfg.target:.0f}% of the {format_bytes(cap - base)} left",
-                f", bound by {gauge.limits.binding}" if gauge.host else "",
-            )
-            bar = _progress_bar(cfg.progress, policy.name)
+                f", bound by {gauge.limits.binding}" if gauge.host else "")
+            logger.info("finding the batch size on %s: %s", dev, header)
+            shown.note(f"  {header}")
+            if gauge.host:
+                _warn_host_share(space, cfg, gauge.limits.binding)
             trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap, lockstep,
-                                    breakdown=not run_compiled, timed_steps=cfg.timed_steps, model=modelled)
+                                    breakdown=not run_compiled, timed_steps=cfg.timed_steps, model=modelled,
+                                    on_start=lambda b: shown.start(f"batch {b}"))
 
             def report(t: Trial) -> None:
                 _log_trial(t, len(trial_fn.done), trial_fn.space)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(batch=t.batch_size, outcome=t.outcome)
+                shown.done(trial_line(t, trial_fn.space.limit_bytes))
 
             trial_fn.space = space
             learner = _CapacityLearner(cfg.target, estimated=gauge.host and gauge.binding != "rlimit_as", base=base)
@@ -235,8 +226,6 @@ def find_batch_size(
                     answer, largest, stop_reason = checked.batch_size, checked.batch_size, "verification"
                     reason = "the largest that ran again after the search's last OOM" if answer is not None else ""
     finally:
-        if bar is not None:
-            bar.close()
         snap.restore()
         snap.close()
         free_memory(dev)
@@ -263,6 +252,8 @@ def find_batch_size(
     logger.info("batch size %d (%s; %s) after %d trials, %d OOM, %.2fs%s",
                 plan.batch_size, plan.stop_reason, plan.reason, plan.num_trials, plan.num_ooms, plan.seconds,
                 f", {plan.compilations} graph(s) compiled" if compiled else "")
+    shown.note(f"  batch size {plan.batch_size} after {plan.num_trials} trials, {plan.num_ooms} OOM, "
+               f"{plan.seconds:.1f}s")
     return plan
 
 
@@ -557,8 +548,10 @@ class _TrialRunner:
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, gauge: Gauge,
                  steps: int, targets: list[Any], snapshot: StateSnapshot, lockstep: Any = None, *,
-                 breakdown: bool = True, timed_steps: int = 0, model: bool = False) -> None:
+                 breakdown: bool = True, timed_steps: int = 0, model: bool = False,
+                 on_start: Callable[[int], None] | None = None) -> None:
         self.step, self.device, self.gauge, self.steps = step, device, gauge, steps
+        self.on_start = on_start  # told each batch size as its trial starts (the progress display)
         # no breakdown tracker for a compiled step: under it the step would run eagerly
         self.breakdown = breakdown
         self.targets, self.snapshot, self.lockstep = targets, snapshot, lockstep
@@ -630,6 +623,8 @@ class _TrialRunner:
             refused = Trial(batch_size=batch_size, outcome=REFUSED, peak_bytes=0, start_bytes=None)
         if refused is not None:
             return refused
+        if self.on_start is not None:
+            self.on_start(batch_size)
         holder: list[Any] = []
         real = self.gauge.host
         # on CPU a storage tracker counts every operator from Python during the memory steps:
@@ -889,6 +884,29 @@ def _gc_paused(pause: bool) -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+#: a search whose limit is over this share of the machine's RAM says so before its first trial
+_MOST_OF_RAM = 0.5
+_host_share_warned = False
+
+
+def _warn_host_share(space: SearchSpace, cfg: FindOptions, binding: str) -> None:
+    """Before a search on the host's real memory that may take most of the machine's RAM (and no max_batch_size): say so, and how to stop lower.
+
+    A warning the first time in a process (a user who did not configure logging sees it), INFO after.
+    """
+    global _host_share_warned
+    ram = physical_bytes()
+    if not ram or cfg.max_batch_size is not None or space.limit_bytes < _MOST_OF_RAM * ram:
+        return
+    level = logging.INFO if _host_share_warned else logging.WARNING
+    _host_share_warned = True
+    logger.log(level, "this search measures the host's real memory: its trials may grow the process to %s, %.0f%% "
+               "of the %s of RAM (limit: %.0f%% of what the %s limit leaves); pass max_batch_size= to stop lower, "
+               "target= for a smaller share, or capacity= to size for a smaller device",
+               format_bytes(space.limit_bytes), 100 * space.limit_bytes / ram, format_bytes(ram),
+               100 * cfg.target, binding)
 
 
 def _log_trial(t: Trial, index: int, space: SearchSpace) -> None:

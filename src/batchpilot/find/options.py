@@ -73,7 +73,10 @@ class FindOptions:
     first_guess: int | None = _option(
         None, "a batch size to try first (e.g. the planner's); the start of power, binsearch and decay")
     max_trials: int = _option(25, "stop after this many trials, keeping the best so far")
-    progress: bool = _option(False, "show a tqdm progress bar (if tqdm is installed)")
+    progress: bool | None = _option(
+        None, "say each trial on stderr as it runs: True (plain lines where stderr is no terminal), False "
+              "(log records only); None: on a terminal or in a notebook, else off, or as BATCHPILOT_PROGRESS "
+              "(0 or 1) says")
     tolerance: float | None = _option(
         None, "predict stops once the answer is within this fraction of the boundary, in [0, 0.5); None: "
               "exact on emulated tensor bytes, 0.02 on real memory, whose peaks move between runs")
@@ -110,8 +113,8 @@ class FindOptions:
                 f"min_batch_size {self.min_batch_size} is larger than max_batch_size {self.max_batch_size}; "
                 "lower min_batch_size or raise max_batch_size (e.g. to the dataset length)"
             )
-        if not isinstance(self.progress, bool):
-            raise BatchSizeError(f"progress must be True or False, got {self.progress!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise BatchSizeError(f"progress must be True, False or None (auto), got {self.progress!r}")
         if self.tolerance is not None and not (
             isinstance(self.tolerance, (int, float)) and not isinstance(self.tolerance, bool)
             and 0 <= self.tolerance < 0.5

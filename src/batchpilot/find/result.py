@@ -5,11 +5,31 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..policy.search import OOM, Trial
+from ..memory.units import format_bytes
+from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, Trial
 from ..policy.speed import SPEED_TOLERANCE, TimeFit, timed_fits
 from .options import option_default
 
-__all__ = ["MemoryFit", "BatchPlan"]
+__all__ = ["MemoryFit", "BatchPlan", "trial_line"]
+
+#: the figure each ``memory`` kind measures, for summaries
+_FIGURES = {
+    "tensors": "tensor bytes (emulated capacity)", "resident": "resident memory", "address_space": "address space",
+    "cgroup": "the container's memory", "device": "device memory (reserved + outside PyTorch)",
+    "allocated": "allocated memory",
+}
+
+
+def trial_line(t: Trial, limit_bytes: int) -> str:
+    """One trial in a few words: ``"batch 83: fits, peak 14.2 GiB of 17.9 GiB, 130.2s"``."""
+    peak = "?" if t.peak_bytes is None else format_bytes(t.peak_bytes)
+    if t.outcome == OOM:
+        what = "out of memory" + ("" if t.peak_bytes is None else f" (needs at least {peak})")
+    elif t.outcome == REFUSED:
+        what = f"not run: its predicted peak {peak} is past a limit that kills"
+    else:
+        what = f"{'fits' if t.outcome == FIT else 'over the limit'}, peak {peak} of {format_bytes(limit_bytes)}"
+    return f"batch {t.batch_size}: {what}, {t.seconds:.1f}s"
 
 
 @dataclass(kw_only=True)
@@ -23,7 +43,7 @@ class MemoryFit:
         return self.fixed_bytes + self.bytes_per_sample * batch_size
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class BatchPlan:
     """The result of a batch-size search.
 
@@ -132,6 +152,104 @@ class BatchPlan:
     @property
     def num_ooms(self) -> int:
         return sum(t.outcome == OOM for t in self.trials)
+
+    def limit_text(self) -> str:
+        """The limit in words: its figure, what it measures, and how it was set."""
+        figure = _FIGURES.get(self.memory, f"{self.memory} memory")
+        if self.base_bytes is not None and self.base_bytes < self.capacity:
+            how = (f"{format_bytes(self.base_bytes)} in use + {self.target:.0%} of the "
+                   f"{format_bytes(self.capacity - self.base_bytes)} the {self.binding_limit or 'host'} limit leaves")
+        else:
+            how = f"{self.target:.0%} of {format_bytes(self.capacity)}"
+        return f"limit {format_bytes(self.limit_bytes)} of {figure}: {how}"
+
+    def describe(self) -> str:
+        """A few lines on the answer: what it is and why, the limit it was measured against, the
+        memory line, the search, and what would raise it (``str(plan)`` is the same)."""
+        lines = [f"batch size {self.batch_size} on {self.device}: {self.reason or self.stop_reason}"]
+        lines.append(f"  {self.limit_text()}")
+        lines.extend(f"  {line}" for line in self._answer_lines())
+        lines.append(f"  search: {self._search_text()}")
+        raise_it = self.to_raise()
+        if raise_it:
+            lines.append(f"  to raise it: {raise_it}")
+        return "\n".join(lines)
+
+    def _answer_lines(self) -> list[str]:
+        out = []
+        at = [t for t in self.trials if t.batch_size == self.batch_size and t.fits and t.peak_bytes is not None]
+        if at:
+            peak = at[-1].peak_bytes
+            above = [t for t in self.trials if t.batch_size > self.largest_or_answer and t.outcome in (OOM, OVER_TARGET)]
+            nxt = min(above, key=lambda t: t.batch_size) if above else None
+            out.append(f"peak {format_bytes(peak)} at {self.batch_size} ({peak / self.limit_bytes:.0%} of the limit)"
+                       + ("" if nxt is None else f"; {nxt.batch_size} "
+                          + ("ran out of memory" if nxt.outcome == OOM else "went over it")))
+        if self.fit is not None:
+            out.append(f"memory line: {format_bytes(self.fit.fixed_bytes)} + "
+                       f"{format_bytes(self.fit.bytes_per_sample)} per sample")
+        speed = self.samples_per_second
+        if speed is not None:
+            out.append(f"speed: {speed:.1f} samples/s at {self.batch_size}"
+                       + ("" if self.objective == "memory" else
+                          f" (within {self.speed_tolerance:.0%} of the fastest; {self.largest_fitting} fits)"))
+        return out
+
+    @property
+    def largest_or_answer(self) -> int:
+        return int(self.largest_fitting or self.batch_size)
+
+    def _search_text(self) -> str:
+        refused = sum(t.outcome == REFUSED for t in self.trials)
+        parts = [f"{self.strategy}, {self.num_trials} trials, {self.num_ooms} OOM"]
+        if refused:
+            parts.append(f"{refused} refused")
+        parts.append(f"{self.seconds:.1f}s")
+        if self.seeded_by:
+            parts.append(f"seeded by the {self.seeded_by} ({self.first_guess})")
+        if self.verified:
+            parts.append("the answer ran again after the search")
+        if self.limited_by_rank is not None:
+            parts.append(f"rank {self.limited_by_rank} set it")
+        return ", ".join(parts)
+
+    def to_raise(self) -> str:
+        """What would give a larger answer, in words (empty when nothing obvious would)."""
+        if self.objective == "throughput" and self.batch_size < self.largest_or_answer:
+            return (f"{self.largest_or_answer} fits; it was not chosen because it is no faster "
+                    "(objective='memory' answers the largest)")
+        if self.stop_reason == "max_batch_size":
+            room = self._line_answer(self.target)
+            return "max_batch_size stopped it" + (f" (the memory line allows about {room})" if room else "")
+        if self.stop_reason == "max_trials":
+            return "max_trials stopped it before the boundary: raise max_trials"
+        if self.stop_reason == "strategy":
+            return f"strategy {self.strategy!r} stops below the boundary: strategy='predict' reaches it"
+        hints = []
+        higher = round(min(0.95, self.target + 0.1), 2)
+        room = self._line_answer(higher) if higher > self.target else None
+        if room is not None and room > self.batch_size:
+            hints.append(f"target={higher} (about {room} by the memory line)")
+        hints.append("less memory per sample (mixed precision, activation checkpointing)")
+        hints.append("capacity: a larger device" if self.memory in ("tensors", "device", "allocated")
+                     else "more memory for the process")
+        return "; ".join(hints)
+
+    def _line_answer(self, target: float) -> int | None:
+        """The batch the memory line puts at the limit a ``target`` would set, or ``None`` without a line."""
+        if self.fit is None or self.fit.bytes_per_sample <= 0:
+            return None
+        base = self.base_bytes
+        limit = target * self.capacity if base is None else base + target * (self.capacity - base)
+        return max(0, int((limit - self.fit.fixed_bytes) // self.fit.bytes_per_sample))
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, limit_bytes={self.limit_bytes}, "
+                f"memory={self.memory!r}, target={self.target}, device={self.device!r}, strategy={self.strategy!r}, "
+                f"trials={self.num_trials}, ooms={self.num_ooms}, stop_reason={self.stop_reason!r})")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (ints, floats, strings, lists, dicts, None)."""

@@ -29,7 +29,7 @@ except ImportError:  # Windows
 
 __all__ = [
     "HostLimits", "host_limits", "rlimit_as_bytes", "cgroup_dirs", "resident_bytes", "address_space_bytes", "address_space_peak",
-    "ResidentPeak", "trim_host_memory", "pin_malloc_threshold", "malloc_threshold_pinned",
+    "ResidentPeak", "physical_bytes", "trim_host_memory", "pin_malloc_threshold", "malloc_threshold_pinned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,19 @@ def address_space_peak() -> int | None:
     when it rises above every earlier one.
     """
     return _status_kib("VmPeak")
+
+
+def physical_bytes() -> int | None:
+    """The machine's RAM (``MemTotal``; the physical pages off Linux), or ``None`` where neither is known."""
+    text = _read("/proc/meminfo")
+    if text is not None:
+        for line in text.splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 #: the sampler's program: it reads this process's ``statm`` every ``interval`` seconds while a window
