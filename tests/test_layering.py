@@ -24,21 +24,22 @@ PACKAGE_DIR = Path(batchpilot.__file__).resolve().parent
 #: bottom to top; each layer may import only those listed for it (and itself)
 ALLOWED: dict[str, set[str]] = {
     "_checks": set(),  # the argument checks every layer shares: imports nothing of batchpilot
+    "_progress": set(),  # what a long search writes to stderr while it runs: imports nothing of batchpilot
     "policy": {"_checks"},  # pure, torch-free decisions
     "core": {"_checks"},  # the step vocabulary: batches, loss, amp, compiled and sharded models, ranks
     "memory": {"_checks", "core"},
     "plan": {"_checks", "policy", "core", "memory"},
-    "find": {"_checks", "policy", "core", "memory", "plan"},  # plan_first seeds the finder with the planner
-    "infer": {"_checks", "policy", "core", "memory", "plan", "find"},
+    "find": {"_checks", "_progress", "policy", "core", "memory", "plan"},  # plan_first seeds the finder with the planner
+    "infer": {"_checks", "_progress", "policy", "core", "memory", "plan", "find"},
     "dist": {"_checks", "policy", "core", "memory", "find"},
     "train": {"_checks", "policy", "core", "memory", "find", "dist"},
     "integrations": {"_checks", "policy", "core", "memory", "find", "dist", "train", "infer"},
     # batchpilot/__init__.py, the public API (it loads the planner, dist and app.trainjob lazily by name)
     "batchpilot": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train"},
-    "app": {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "infer", "batchpilot"},
+    "app": {"_checks", "_progress", "policy", "core", "memory", "plan", "find", "dist", "train", "infer", "batchpilot"},
     "__main__": {"app"},  # python -m batchpilot
 }
-LIBRARY = {"_checks", "policy", "core", "memory", "plan", "find", "dist", "train", "infer"}
+LIBRARY = {"_checks", "_progress", "policy", "core", "memory", "plan", "find", "dist", "train", "infer"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -175,7 +176,7 @@ def test_the_library_never_imports_the_app_nor_the_integrations():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", ["_checks", *sorted(n.partition(".")[2] for n in MODULES if _layer(n) == "policy")])
+@pytest.mark.parametrize("module", ["_checks", "_progress", *sorted(n.partition(".")[2] for n in MODULES if _layer(n) == "policy")])
 def test_the_pure_policies_never_import_torch(module):
     out = modules_loaded_alone(module)
     assert out.returncode == 0, out.stderr

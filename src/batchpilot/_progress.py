@@ -19,16 +19,30 @@ newline.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
-__all__ = ["Progress", "interactive", "PROGRESS_ENV"]
+__all__ = ["Progress", "interactive", "stage", "PROGRESS_ENV"]
 
 #: the environment variable that decides ``enabled=None``: ``0`` off, ``1`` on
 PROGRESS_ENV = "BATCHPILOT_PROGRESS"
 _PREFIX = "batchpilot: "
+#: what the searches started inside :func:`stage` are part of ("length 512"), for their titles
+_STAGE: contextvars.ContextVar[str] = contextvars.ContextVar("batchpilot_progress_stage", default="")
+
+
+@contextlib.contextmanager
+def stage(label: str) -> Iterator[None]:
+    """Searches run inside say ``label`` before their title (``"length 512: finding the batch size..."``)."""
+    token = _STAGE.set(label)
+    try:
+        yield
+    finally:
+        _STAGE.reset(token)
 
 
 def interactive(stream: Any) -> bool:
@@ -71,7 +85,8 @@ class Progress:
         live = interactive(self.stream)
         self.live = live and decided is not False
         self.on = self.live or decided is True
-        self.title = title
+        within = _STAGE.get()
+        self.title = title = f"{within}: {title}" if within else title
         self.began = time.perf_counter()
         self._count = 0
         self._running = False  # a trial started and not yet done

@@ -118,9 +118,12 @@ import json
 import logging
 import math
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from .._progress import interactive
 from ..memory.units import format_bytes
 
 __all__ = [
@@ -620,7 +623,11 @@ def _save_figure(fig: Any, path: str | os.PathLike, title: str | None) -> Path:
 
 def progress(iterable: Iterable[Any] | None = None, *, total: int | None = None, desc: str = "",
              enabled: bool = True, unit: str = "it") -> Iterator[Any] | Any:
-    """A tqdm progress bar on stderr (``disable=True`` when not ``enabled``).
+    """A tqdm progress bar on stderr when ``enabled`` and stderr is a terminal or a notebook.
+
+    Off a terminal (a CI log, ``nohup``, a file) a bar would write its redraws and its cursor
+    moves (``ESC[A`` between nested bars) into the log: there it is off, and the finder's plain
+    lines and the final report say what happened.
 
     Raises:
         ImportError: tqdm is not installed (``pip install 'batchpilot[cli]'``).
@@ -629,7 +636,8 @@ def progress(iterable: Iterable[Any] | None = None, *, total: int | None = None,
         from tqdm import tqdm
     except ImportError as exc:
         raise ImportError("progress bars need tqdm: pip install 'batchpilot[cli]'") from exc
-    return tqdm(iterable, total=total, desc=desc, disable=not enabled, unit=unit, dynamic_ncols=True, leave=True)
+    shown = enabled and interactive(sys.stderr)
+    return tqdm(iterable, total=total, desc=desc, disable=not shown, unit=unit, dynamic_ncols=True, leave=True)
 
 
 @contextlib.contextmanager
@@ -638,14 +646,22 @@ def logging_through_progress(enabled: bool = True, logger: str = "batchpilot") -
 
     A warning printed straight to stderr would tear a progress bar in two; through tqdm it
     lands above the bar. The command line logs through the ``batchpilot`` logger, not the
-    root one. Does nothing when not ``enabled``.
+    root one; Python's warnings (``warnings.warn``, torch's among them) go through logging
+    meanwhile too (``logging.captureWarnings``), as they were after. Does nothing when not
+    ``enabled`` or when stderr is no terminal (no bar is drawn there).
     """
-    if not enabled:
+    if not enabled or not interactive(sys.stderr):
         yield
         return
     try:
         from tqdm.contrib.logging import logging_redirect_tqdm
     except ImportError as exc:
         raise ImportError("progress bars need tqdm: pip install 'batchpilot[cli]'") from exc
-    with logging_redirect_tqdm(loggers=[logging.getLogger(logger)]):
-        yield
+    captured = logging.getLogger("py.warnings")
+    was_captured = getattr(warnings.showwarning, "__module__", "") == "logging"
+    logging.captureWarnings(True)
+    try:
+        with logging_redirect_tqdm(loggers=[logging.getLogger(logger), captured]):
+            yield
+    finally:
+        logging.captureWarnings(was_captured)

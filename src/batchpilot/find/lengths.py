@@ -15,7 +15,9 @@ from typing import Any, Callable
 
 import torch
 
+from .._progress import stage
 from ..core.seqbatch import length_batch_fn
+from ..memory.units import format_bytes
 from ..policy.lengths import LengthBudget, LengthFit, check_lengths, choose_fit_lengths, fit_lengths
 from ..policy.search import BatchSizeError, least_squares_line
 from .notes import note_length_search
@@ -26,7 +28,7 @@ __all__ = ["LengthPlan", "find_per_length"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class LengthPlan(BatchPlan):
     """A :class:`~batchpilot.find.result.BatchPlan` at the longest length, with the answer at every length.
 
@@ -57,6 +59,31 @@ class LengthPlan(BatchPlan):
         capped = {L for L, p in self.length_plans.items() if L in verified and p.stop_reason == "max_batch_size"}
         return LengthBudget(fit=self.length_fit, limit_bytes=self.limit_bytes, verified=verified,
                             max_batch_size=max_batch_size, capped=capped)
+
+    def describe(self) -> str:
+        """A few lines: the answer at each length, the limit, the 2-D memory model, the searches, what would raise it."""
+        table = ", ".join(f"{L}: {b}" for L, b in sorted(self.per_length.items()))
+        lines = [f"batch size by length on {self.device}: {table or '(no lengths asked)'}",
+                 f"  {self.limit_text()}"]
+        if self.length_fit is not None:
+            f = self.length_fit
+            lines.append(f"  memory model: peak = F(L) + b x P(L), P(L) = {format_bytes(f.per_sample[0])} + "
+                         f"{format_bytes(f.per_sample[1])} x L + {f.per_sample[2]:.3g} B x L^2 per sample, "
+                         f"from searches at lengths {', '.join(map(str, sorted(self.length_plans)))}")
+        trials = sum(p.num_trials for p in self.length_plans.values())
+        ooms = sum(p.num_ooms for p in self.length_plans.values())
+        lines.append(f"  at the longest, {self.max_length}: batch {self.batch_size}, {self.reason or self.stop_reason}")
+        lines.append(f"  search: {len(self.length_plans)} searches ({self.strategy}), {trials} trials, {ooms} OOM, "
+                     f"{self.seconds:.1f}s")
+        raise_it = self.to_raise()
+        if raise_it:
+            lines.append(f"  to raise it: {raise_it}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"LengthPlan(per_length={self.per_length}, limit_bytes={self.limit_bytes}, memory={self.memory!r}, "
+                f"target={self.target}, device={self.device!r}, lengths_searched={sorted(self.length_plans)}, "
+                f"trials={sum(p.num_trials for p in self.length_plans.values())})")
 
     def to_dict(self) -> dict[str, Any]:
         out = BatchPlan.to_dict(dataclasses.replace(self, length_plans={}, length_fit=None, per_length={}))
@@ -94,9 +121,10 @@ def find_per_length(find: Callable[..., BatchPlan], model: Any, batch: Any, *, l
     # the dim a compiled model sees change between the searches (a function's batches: only if declared)
     token_dim = seq_dim if functional else (seq_dim or 1)
     plans: dict[int, BatchPlan] = {}
-    for L in sorted(fitted, reverse=True):  # the longest first: a nothing-fits fails fastest there
+    for i, L in enumerate(sorted(fitted, reverse=True)):  # the longest first: a nothing-fits fails fastest there
         try:
-            plans[L] = find(model, at_length(L), seq_dim=token_dim, **kwargs)
+            with stage(f"length {L} ({i + 1} of {len(fitted)})"):
+                plans[L] = find(model, at_length(L), seq_dim=token_dim, **kwargs)
         except Exception as exc:
             note_length_search(exc, L, sorted(plans))
             raise

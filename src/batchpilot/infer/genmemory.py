@@ -39,6 +39,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from .._checks import positive_int
+from .._progress import Progress
 from ..find.notes import add_note
 from ..find.options import FindOptions
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
@@ -157,7 +158,7 @@ class GenerationTrial:
                 "decode_steps": len(self.decode_bytes), "real_prompts": len(self.prompts)}
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class GenerationMemory:
     """``growth(b, P, N) = scale × max(prefill(b, P), decode(b, P + N))`` bytes; see the module docstring.
 
@@ -189,6 +190,36 @@ class GenerationMemory:
     memory: str = "tensors"
     verified: dict[tuple[int, int], int] = field(default_factory=dict)
     trials: list[GenerationTrial] = field(default_factory=list)
+
+    # -- the summary -------------------------------------------------------
+    def describe(self) -> str:
+        """A few lines: the batches it answers, the limit, the model, the trials, what would raise it (``str()``)."""
+        answers = ", ".join(f"{b} at {P} + {N} tokens" for (P, N), b in sorted(self.verified.items(), reverse=True))
+        figure = {"tensors": "tensor bytes (emulated capacity)", "resident": "resident memory",
+                  "address_space": "address space", "cgroup": "the container's memory",
+                  "device": "device memory"}.get(self.memory, f"{self.memory} memory")
+        ooms = sum(t.outcome == OOM for t in self.trials)
+        over = sum(t.outcome == OVER_TARGET for t in self.trials)
+        lines = [
+            f"generate sized: largest batch {answers or 'none verified'} (prompt + new)",
+            f"  limit {format_bytes(self.limit_bytes)} of {figure} (capacity {format_bytes(self.capacity_bytes)}, "
+            f"{format_bytes(self.start_bytes)} in use before the trials)",
+            f"  model: growth = {self.scale:.3f} x max(prefill, decode); KV cache {format_bytes(self.per_token_bytes)} "
+            f"per token per prompt, {format_bytes(self.per_step_bytes)} per step; prefill fitted at prompt lengths "
+            f"{', '.join(map(str, self.prompt_lengths))}, decoding up to {self.max_total_length} tokens",
+            f"  trials: {len(self.trials)}, {ooms} OOM, {over} over the limit, "
+            f"{sum(t.seconds for t in self.trials):.1f}s",
+            "  to raise it: fewer new tokens or shorter prompts per batch (the cache grows with both); a larger "
+            "target; a smaller cache (a quantized or static KV cache) or more memory",
+        ]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return (f"GenerationMemory(verified={self.verified}, limit_bytes={self.limit_bytes}, memory={self.memory!r}, "
+                f"per_token_bytes={self.per_token_bytes:.0f}, scale={self.scale:.3f}, trials={len(self.trials)})")
 
     # -- the terms ---------------------------------------------------------
     @property
@@ -825,12 +856,22 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
         picked = [i for i in pending if low <= len(prompts[i]) < width][:b]  # type: ignore[index]
         return {i: prompts[i] for i in picked}  # type: ignore[index]
 
+    shown = Progress(f"sizing generate on {room.device}")
+    shown.note(f"  {room.gauge.kind} memory, limit {format_bytes(room.limit_bytes)} ({format_bytes(room.start_bytes)} "
+               f"in use + {room.target:.0%} of the rest), {N} new tokens")
+
     def run(b: int, P: int, real: bool = False, fill: bool = False) -> GenerationTrial:
         chosen = take(b, P) if real else {}
         if chosen and not fill:
             b = len(chosen)
+        shown.start(f"batch {b} x ({P} + {N} tokens)")
         t = measure_generate(model, room, batch_size=b, prompt_length=P, max_new_tokens=N, pad_token_id=pad_token_id,
                              token_id=token, eos=eos, generate_kwargs=generate_kwargs, prompts=chosen or None)
+        grown = "?" if t.peak_bytes is None else format_bytes(t.start_bytes + t.peak_bytes)
+        shown.done(f"batch {b} x ({P} + {N} tokens): "
+                   + ("out of memory" if t.outcome == OOM else
+                      f"{'fits' if t.outcome == FIT else 'over the limit'}, peak {grown} of "
+                      f"{format_bytes(room.limit_bytes)}") + f", {t.seconds:.1f}s")
         trials.append(t)
         if t.outcome != OOM:
             for i in t.prompts:
@@ -876,6 +917,7 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
     memory = fitted()
     logger.info("generation memory from %d trials: %.0f B per token of cache, %.0f B per step, scale %.3f",
                 len(trials), memory.per_token_bytes, memory.per_step_bytes, memory.scale)
+    shown.note(f"  fitted from {len(trials)} trials in {shown.elapsed():.1f}s")
     return memory
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 import torch
 
 from .._checks import check_int, positive_int
+from .._progress import stage
 from ..find.finder import find_batch_size
 from ..find.options import FindOptions
 from ..find.lengths import LengthPlan
@@ -258,8 +259,8 @@ class LengthScorer(Generic[R, T]):
         self.budget.limit_bytes -= _margin(self.plan.length_plans, self.budget.limit_bytes)
         if earlier is not None:  # what the earlier batches taught stays
             self.budget.corrections.update(earlier.corrections)
-        logger.info("scoring sized at lengths %s in %.2fs: %s", sorted(plans), self.plan.seconds,
-                    {L: self.budget.micro_batch(L) for L in sorted(plans)})
+        self.plan.per_length = {L: self.budget.micro_batch(L) for L in sorted(self.plan.length_plans)}
+        logger.info("scoring sized at lengths %s in %.2fs: %s", sorted(plans), self.plan.seconds, self.plan.per_length)
 
     def _search(self, requests: list[R], order: list[int], first: dict[int, int], room: dict[int, int],
                 fitted: tuple[int, ...], plans: dict[int, BatchPlan], results: dict[int, T]) -> None:
@@ -270,7 +271,7 @@ class LengthScorer(Generic[R, T]):
         results; without, each trial is the first ``b`` of the room (its own longest request pads
         it to ``L``) and the largest that completed keeps them.
         """
-        for L in sorted(fitted, reverse=True):  # the longest first: a nothing-fits fails fastest there
+        for i, L in enumerate(sorted(fitted, reverse=True)):  # the longest first: a nothing-fits fails fastest there
             start, width = first[L], room[L]
             # without pads each trial reruns a prefix; with pads, trials of half the room each leave
             # the next one room to run new requests (its answer is a floor the model rises above)
@@ -294,9 +295,10 @@ class LengthScorer(Generic[R, T]):
                     state["record"], state["out"] = record, out
 
             try:
-                plans[L] = find_batch_size(step, device=self.device, target=self.target, max_batch_size=cap,
-                                           steps_per_trial=1, timed_steps=0, objective="memory",
-                                           tolerance=_SEARCH_TOLERANCE)
+                with stage(f"scoring, length {L} ({i + 1} of {len(fitted)})"):
+                    plans[L] = find_batch_size(step, device=self.device, target=self.target, max_batch_size=cap,
+                                               steps_per_trial=1, timed_steps=0, objective="memory",
+                                               tolerance=_SEARCH_TOLERANCE)
             except Exception as exc:
                 note_length_search(exc, L, sorted(plans))
                 raise

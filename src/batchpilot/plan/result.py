@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..memory.units import format_bytes
+
 __all__ = ["PlanningError", "MemoryEstimate", "PlanResult"]
 
 
@@ -62,7 +64,7 @@ class MemoryEstimate:
         return {**asdict(self), "required_bytes": self.required_bytes}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class PlanResult:
     """The largest batch whose estimate fits ``target × capacity``.
 
@@ -84,6 +86,43 @@ class PlanResult:
     seconds: float = 0.0
     world_size: int = 1
     sharding: str | None = None
+
+    def describe(self) -> str:
+        """A few lines: the answer, the limit, the make-up of its peak, the next size, what would raise it (``str()``)."""
+        where = self.device + (f" ({self.gpu})" if self.gpu else "")
+        ranks = "" if self.world_size == 1 else f", {self.world_size} ranks ({self.sharding or 'replicated'})"
+        lines = [f"batch size {self.batch_size} on {where}{ranks}: planned on fake tensors, nothing ran",
+                 f"  limit {format_bytes(self.limit)} of "
+                 + ("the reserved peak plus the CUDA context" if self.device.startswith("cuda") else "tensor bytes")
+                 + f": {self.target:.0%} of {format_bytes(self.capacity)}"]
+        e = self.estimate
+        if e is not None:
+            parts = [("parameters", e.parameters), ("gradients", e.gradients), ("optimizer state", e.optimizer_state),
+                     ("activations", e.activations), ("inputs", e.inputs), ("buffers", e.buffers),
+                     ("gathered parameters", e.unsharded_parameters), ("communication", e.communication)]
+            made = ", ".join(f"{name} {format_bytes(v)}" for name, v in parts if v)
+            lines.append(f"  at {e.batch_size}: {format_bytes(e.required_bytes)} required; tensors at the peak: {made}")
+        n = self.next_estimate
+        if n is not None:
+            lines.append(f"  at {n.batch_size}: {format_bytes(n.required_bytes)}, over the limit")
+        if e is not None and n is not None and n.required_bytes > e.required_bytes:
+            per = n.required_bytes - e.required_bytes
+            lines.append(f"  model: {format_bytes(e.required_bytes - per * e.batch_size)} + {format_bytes(per)} "
+                         "per sample (between the last two sizes)")
+        lines.append(f"  search: {len(self.evaluations)} sizes evaluated, no OOM possible, {self.seconds:.2f}s")
+        if n is None and self.batch_size > 0:
+            lines.append("  to raise it: max_batch_size stopped it")
+        else:
+            lines.append("  to raise it: a larger target or capacity; less memory per sample (mixed precision, "
+                         "activation checkpointing)" + ("; more ranks to shard over" if self.sharding else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return (f"PlanResult(batch_size={self.batch_size}, limit={self.limit}, capacity={self.capacity}, "
+                f"target={self.target}, device={self.device!r}, gpu={self.gpu!r}, evaluations={len(self.evaluations)})")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
