@@ -11,6 +11,7 @@ from batchpilot import find_batch_size_for
 from batchpilot.app.models import TinyGPT, lm_loss, padded_lm_batch
 from batchpilot.find.lengths import LengthPlan
 from batchpilot.policy.lengths import choose_fit_lengths
+from summary import assert_explains
 
 CAP = "1MiB"
 
@@ -37,6 +38,11 @@ def test_per_length_answers_match_real_searches_at_lengths_not_searched() -> Non
                                capacity=CAP)
     assert plan.per_length[24] == real.batch_size
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # state put back
+    text = str(plan)  # the table, the limit, the 2-D model and the searches, in a few lines
+    assert text.splitlines()[0].startswith(f"batch size by length on cpu: 16: {plan.per_length[16]}, ")
+    assert_explains(text, figure="tensor bytes", target="80% of 1.00 MiB", model="memory model: peak = F(L) + b x P(L)")
+    assert "from searches at lengths 16, 32, 64" in text and "3 searches (predict)" in text
+    assert repr(plan).startswith("LengthPlan(per_length={16: ")
     d = plan.to_dict()
     assert d["per_length"][0] == {"length": 16, "batch_size": plan.per_length[16]}
     assert d["fitted_lengths"] == [16, 32, 64] and d["length_fit"]["bytes_per_token"] > 0

@@ -23,6 +23,7 @@ from batchpilot.memory.tracker import active_tracker  # noqa: E402
 from batchpilot.memory.probes import emulate_capacity, track_peak  # noqa: E402
 from batchpilot.policy.search import BatchSizeError, NothingFitsError  # noqa: E402
 from tiny_llama_gen import PAD, random_prompts, tiny_llama  # noqa: E402
+from summary import assert_explains  # noqa: E402
 
 CAPACITY = 2 * 2**20
 LENGTHS = (6, 18, 44)
@@ -241,3 +242,17 @@ def test_a_fresh_process_under_rlimit_as_gets_a_model_from_its_real_figure():
     assert out["pinned"] and "model" in out, out
     assert out["model"]["per_token"] > 0, out
     assert all(outcome != "oom" for _, _, outcome in out["trials"]), out
+
+
+def test_a_generation_model_prints_its_answers_limit_model_and_trials():
+    decode = lambda b: [(T, b * (100 + 10 * T)) for T in (12, 13, 14)]  # noqa: E731
+    trials = [_trial(1, 10, 2000, decode(1)), _trial(8, 10, 12000, decode(8)),
+              GenerationTrial(batch_size=16, prompt_length=10, max_new_tokens=4, outcome="oom")]
+    memory = _fit(trials[:2])
+    memory.trials = trials
+    memory.verified[(10, 4)] = 8
+    text = str(memory)
+    assert text.splitlines()[0] == "generate sized: largest batch 8 at 10 + 4 tokens (prompt + new)"
+    assert_explains(text, figure="tensor bytes", target="50% of 1.91 MiB", model="KV cache")
+    assert "search: 3 trials, 1 OOM" in text
+    assert repr(memory).startswith("GenerationMemory(verified={(10, 4): 8}, ")

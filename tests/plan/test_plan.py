@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from batchpilot.app.models import MLP, SmallCNN, build_model, example_batch
 from batchpilot.memory.probes import track_peak
 from batchpilot.plan.gpus import GPUS, CudaAccounting
+from summary import assert_explains
 from batchpilot.plan.planner import _search_boundary, default_step, estimate_peak_memory, plan_batch_size
 from batchpilot.plan.result import MemoryEstimate, PlanningError
 
@@ -410,3 +411,14 @@ def test_custom_step_fn_is_what_runs():
 
     est = estimate_peak_memory(model, sample, 6, optimizer=adam, step_fn=step, steps=3)
     assert calls == [6, 6, 6] and isinstance(est, MemoryEstimate)
+
+
+def test_a_plan_prints_its_answer_limit_make_up_and_the_next_size():
+    model, sample = build("mlp")
+    plan = plan_batch_size(model, sample, optimizer=adam(model.parameters()), capacity="16MiB")
+    text = str(plan)
+    assert text == plan.describe()
+    assert text.splitlines()[0] == f"batch size {plan.batch_size} on cpu: planned on fake tensors, nothing ran"
+    assert_explains(text, figure="tensor bytes", target="80% of 16.00 MiB", model="per sample (between the last two")
+    assert f"at {plan.batch_size + 1}: " in text and "optimizer state" in text
+    assert repr(plan).startswith(f"PlanResult(batch_size={plan.batch_size}, ") and len(repr(plan)) < 250

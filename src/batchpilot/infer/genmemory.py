@@ -202,17 +202,24 @@ class GenerationMemory:
         over = sum(t.outcome == OVER_TARGET for t in self.trials)
         lines = [
             f"generate sized: largest batch {answers or 'none verified'} (prompt + new)",
-            f"  limit {format_bytes(self.limit_bytes)} of {figure} (capacity {format_bytes(self.capacity_bytes)}, "
-            f"{format_bytes(self.start_bytes)} in use before the trials)",
+            f"  limit {format_bytes(self.limit_bytes)} of {figure}: {self._share_text()}",
             f"  model: growth = {self.scale:.3f} x max(prefill, decode); KV cache {format_bytes(self.per_token_bytes)} "
             f"per token per prompt, {format_bytes(self.per_step_bytes)} per step; prefill fitted at prompt lengths "
             f"{', '.join(map(str, self.prompt_lengths))}, decoding up to {self.max_total_length} tokens",
-            f"  trials: {len(self.trials)}, {ooms} OOM, {over} over the limit, "
+            f"  search: {len(self.trials)} trials, {ooms} OOM, {over} over the limit, "
             f"{sum(t.seconds for t in self.trials):.1f}s",
             "  to raise it: fewer new tokens or shorter prompts per batch (the cache grows with both); a larger "
             "target; a smaller cache (a quantized or static KV cache) or more memory",
         ]
         return "\n".join(lines)
+
+    def _share_text(self) -> str:
+        """How the limit was set: a share of the capacity, or on a host of what was left above the start."""
+        if self.memory in ("resident", "address_space", "cgroup") and self.start_bytes < self.capacity_bytes:
+            left = self.capacity_bytes - self.start_bytes
+            return (f"{format_bytes(self.start_bytes)} in use + {(self.limit_bytes - self.start_bytes) / left:.0%} "
+                    f"of the {format_bytes(left)} left")
+        return f"{self.limit_bytes / max(1, self.capacity_bytes):.0%} of {format_bytes(self.capacity_bytes)}"
 
     def __str__(self) -> str:
         return self.describe()
