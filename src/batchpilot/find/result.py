@@ -231,7 +231,7 @@ class BatchPlan:
         if room is not None and room > self.batch_size:
             hints.append(f"target={higher} (about {room} by the memory line)")
         hints.append("less memory per sample (mixed precision, activation checkpointing)")
-        hints.append("capacity: a larger device" if self.memory in ("tensors", "device", "allocated")
+        hints.append("a larger capacity" if self.memory in ("tensors", "device", "allocated")
                      else "more memory for the process")
         return "; ".join(hints)
 
