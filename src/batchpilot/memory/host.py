@@ -98,18 +98,21 @@ def physical_bytes() -> int | None:
 
 #: the sampler's program: it reads this process's ``statm`` every ``interval`` seconds while a window
 #: is open and answers one line per command on stdin: ``r`` opens a window, ``p`` gives its peak (in
-#: pages), ``s`` closes it; end of input ends it (its parent is gone or done)
+#: pages), ``s`` closes it. It ends at the end of its input (its parent is gone or done with it) and
+#: after ``idle`` seconds without a window, so that none outlives the search that started it for long
 _SAMPLER = r"""
 import os, select, sys
 fd = os.open("/proc/%s/statm" % sys.argv[1], os.O_RDONLY)
-interval = float(sys.argv[2])
+interval, idle = float(sys.argv[2]), float(sys.argv[3])
 inp = sys.stdin.fileno()
 top = None
 while True:
-    ready = select.select([inp], [], [], None if top is None else interval)[0]
+    ready = select.select([inp], [], [], idle if top is None else interval)[0]
     if top is not None:
         top = max(top, int(os.pread(fd, 256, 0).split()[1]))
     if not ready:
+        if top is None:
+            break
         continue
     data = os.read(inp, 64)
     if not data:
@@ -119,6 +122,8 @@ while True:
         top = now if cmd == b"r" else None if cmd == b"s" else max(top or 0, now)
         os.write(1, b"%d\n" % (top or 0))
 """
+#: seconds a sampler waits for the next window before it ends (a new one starts when needed)
+_SAMPLER_IDLE = 10.0
 
 
 def _high_water() -> int | None:
@@ -139,7 +144,8 @@ class ResidentPeak:
     size every ``interval`` seconds during the window: a thread of this process would map a
     stack and a malloc arena (72 MiB of address space, which ``RLIMIT_AS`` counts), and would
     wait for the GIL. A spike shorter than ``interval`` between two samples can be missed;
-    steps whose peak decides a batch size hold it for longer. Where no sampler can start (no
+    steps whose peak decides a batch size hold it for longer. The sampler starts at the first
+    window and ends after ten seconds without one (the next window starts another). Where no sampler can start (no
     ``/proc``, no interpreter to run), the window's peak is the larger of the kernel's mark if
     it rose and the resident size when read.
     """
@@ -173,20 +179,27 @@ class ResidentPeak:
             self._window = False
 
     def _ask(self, command: bytes) -> int | None:
-        """Send one command to the sampler (started on first use); its answer in pages, or ``None`` without one."""
-        proc = self._sampler()
-        if proc is None:
-            return None
-        try:
-            proc.stdin.write(command + b"\n")
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            return int(line)
-        except (OSError, ValueError):
-            self._failed = True
-            self._stop()
-            logger.info("the resident-size sampler stopped; window peaks are read when they end")
-            return None
+        """Send one command to the sampler; its answer in pages, or ``None`` without one.
+
+        A sampler that ended while idle is started again (a window's ``r``: nothing was lost);
+        one that fails otherwise is given up for the life of this object.
+        """
+        for _ in range(2):
+            proc = self._sampler()
+            if proc is None:
+                return None
+            try:
+                proc.stdin.write(command + b"\n")
+                proc.stdin.flush()
+                return int(proc.stdout.readline())
+            except (OSError, ValueError):
+                ended_idle = proc.poll() == 0
+                self._stop()
+                if not (ended_idle and command == b"r"):
+                    break
+        self._failed = True
+        logger.info("the resident-size sampler stopped; window peaks are read when they end")
+        return None
 
     def _sampler(self) -> subprocess.Popen | None:
         if self._proc is not None or self._failed:
@@ -196,7 +209,8 @@ class ResidentPeak:
             return None
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _SAMPLER, str(os.getpid()), repr(self.interval)],
+                [sys.executable, "-I", "-S", "-c", _SAMPLER, str(os.getpid()), repr(self.interval),
+                 repr(_SAMPLER_IDLE)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         except OSError as exc:
             self._failed = True
