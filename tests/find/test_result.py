@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchpilot import find_batch_size
+from batchpilot import find_batch_size_for
 from batchpilot.find.result import BatchPlan, MemoryFit, trial_line
 from batchpilot.policy.search import Trial
 from summary import assert_explains
@@ -13,14 +13,9 @@ from summary import assert_explains
 
 def test_a_search_prints_its_answer_limit_line_trials_and_what_would_raise_it():
     model = nn.Linear(8, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(b: int) -> None:
-        model(torch.randn(b, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-    plan = find_batch_size(step, device="cpu", capacity="64KiB", restore=[model, opt], timed_steps=0)
+    plan = find_batch_size_for(model, (torch.randn(4, 8), torch.randint(0, 4, (4,))), loss_fn=nn.CrossEntropyLoss(),
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1), capacity="64KiB",
+                               timed_steps=0)
     text = str(plan)
     assert text == plan.describe()
     assert text.splitlines()[0].startswith(f"batch size {plan.batch_size} on cpu: the largest that fits")

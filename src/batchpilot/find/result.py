@@ -10,7 +10,7 @@ from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, Trial
 from ..policy.speed import SPEED_TOLERANCE, TimeFit, timed_fits
 from .options import option_default
 
-__all__ = ["MemoryFit", "BatchPlan", "trial_line"]
+__all__ = ["MemoryFit", "BatchPlan", "trial_line", "figure_name"]
 
 #: the figure each ``memory`` kind measures, for summaries
 _FIGURES = {
@@ -18,6 +18,11 @@ _FIGURES = {
     "cgroup": "the container's memory", "device": "device memory (reserved + outside PyTorch)",
     "allocated": "allocated memory",
 }
+
+
+def figure_name(memory: str) -> str:
+    """The figure a ``memory`` kind (``"tensors"``, ``"resident"``, ``"device"``...) measures, in words."""
+    return _FIGURES.get(memory, f"{memory} memory")
 
 
 def trial_line(t: Trial, limit_bytes: int) -> str:
@@ -155,7 +160,7 @@ class BatchPlan:
 
     def limit_text(self) -> str:
         """The limit in words: its figure, what it measures, and how it was set."""
-        figure = _FIGURES.get(self.memory, f"{self.memory} memory")
+        figure = figure_name(self.memory)
         if self.base_bytes is not None and self.base_bytes < self.capacity:
             how = (f"{format_bytes(self.base_bytes)} in use + {self.target:.0%} of the "
                    f"{format_bytes(self.capacity - self.base_bytes)} the {self.binding_limit or 'host'} limit leaves")

@@ -42,6 +42,7 @@ from .._checks import positive_int
 from .._progress import Progress
 from ..find.notes import add_note
 from ..find.options import FindOptions
+from ..find.result import figure_name
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.host import pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
@@ -195,9 +196,7 @@ class GenerationMemory:
     def describe(self) -> str:
         """A few lines: the batches it answers, the limit, the model, the trials, what would raise it (``str()``)."""
         answers = ", ".join(f"{b} at {P} + {N} tokens" for (P, N), b in sorted(self.verified.items(), reverse=True))
-        figure = {"tensors": "tensor bytes (emulated capacity)", "resident": "resident memory",
-                  "address_space": "address space", "cgroup": "the container's memory",
-                  "device": "device memory"}.get(self.memory, f"{self.memory} memory")
+        figure = figure_name(self.memory)
         ooms = sum(t.outcome == OOM for t in self.trials)
         over = sum(t.outcome == OVER_TARGET for t in self.trials)
         lines = [
