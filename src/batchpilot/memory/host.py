@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import time
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,13 +215,18 @@ class ResidentPeak:
             self._failed = True
             logger.info("cannot start the resident-size sampler (%s); window peaks are read when they end", exc)
             return None
-        # the sampler ends with this object (its input closes), or with the process
-        self._finalizer = weakref.finalize(self, _end_sampler, self._proc)
+        # it ends by itself: idle, or at the end of its input (this object or the process gone)
         return self._proc
+
+    def __del__(self) -> None:
+        # its input closed, the sampler ends at once; waited for, so that no zombie or
+        # "still running" ResourceWarning is left behind
+        with contextlib.suppress(Exception):
+            self._stop()
 
     def _stop(self) -> None:
         if self._proc is not None:
-            self._finalizer()
+            _end_sampler(self._proc)
             self._proc = None
         self._window = False
 
