@@ -863,8 +863,9 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
         return {i: prompts[i] for i in picked}  # type: ignore[index]
 
     shown = Progress(f"sizing generate on {room.device}")
-    shown.note(f"  {room.gauge.kind} memory, limit {format_bytes(room.limit_bytes)} ({format_bytes(room.start_bytes)} "
-               f"in use + {room.target:.0%} of the rest), {N} new tokens")
+    share = (f"{format_bytes(room.start_bytes)} in use + {room.target:.0%} of the rest" if room.gauge.host else
+             f"{room.target:.0%} of {format_bytes(room.capacity_bytes)}")
+    shown.note(f"  {room.gauge.kind} memory, limit {format_bytes(room.limit_bytes)} ({share}), {N} new tokens")
 
     def run(b: int, P: int, real: bool = False, fill: bool = False) -> GenerationTrial:
         chosen = take(b, P) if real else {}
