@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -69,6 +70,26 @@ def test_the_environment_decides_auto_and_a_stage_names_the_search(monkeypatch):
     tty = Terminal()
     Progress("finding", stream=tty).note("x")
     assert tty.getvalue() == ""
+
+
+def test_auto_leaves_it_to_a_logger_that_shows_the_trials_already():
+    shown = logging.getLogger("batchpilot.test_progress")
+    handler = logging.StreamHandler(io.StringIO())
+    shown.addHandler(handler)
+    shown.setLevel(logging.WARNING)
+    try:
+        tty = Terminal()
+        Progress("finding", stream=tty, logger=shown).note("x")  # WARNING level: its INFO records are not shown
+        assert tty.getvalue() != ""
+        shown.setLevel(logging.INFO)
+        tty = Terminal()
+        Progress("finding", stream=tty, logger=shown).note("x")
+        assert tty.getvalue() == ""
+        Progress("finding", enabled=True, stream=tty, logger=shown).note("x")  # asked for: written anyway
+        assert tty.getvalue() != ""
+    finally:
+        shown.removeHandler(handler)
+        shown.setLevel(logging.NOTSET)
 
 
 def test_a_closed_stream_does_not_stop_the_search():

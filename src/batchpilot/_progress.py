@@ -5,8 +5,9 @@ minutes should not be silent. :class:`Progress` writes a few lines to ``sys.stde
 beside the log records at INFO that a configured logger shows anyway:
 
 * ``enabled=None`` (auto): on an interactive terminal or in a notebook, a line per trial, the
-  running trial shown as it starts; elsewhere (a CI log, ``nohup``, a file) nothing: the log
-  records are there for whoever configured a handler;
+  running trial shown as it starts, unless the search's own logger already shows its INFO
+  records (a configured handler says the same); elsewhere (a CI log, ``nohup``, a file)
+  nothing: the log records are there for whoever configured a handler;
 * ``True``: the same on a terminal or notebook, plain lines elsewhere;
 * ``False``: nothing.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import os
 import sys
 import time
@@ -77,11 +79,16 @@ class Progress:
         title: what runs, e.g. ``"finding the batch size on cpu"``; written first.
         enabled: ``None`` auto, ``True`` always (plain lines off a terminal), ``False`` never.
         stream: where to write; default ``sys.stderr`` when the search starts.
+        logger: the search's logger; with ``enabled=None``, nothing is written when it shows INFO
+            records through a handler (they say each trial already).
     """
 
-    def __init__(self, title: str, *, enabled: bool | None = None, stream: TextIO | None = None) -> None:
+    def __init__(self, title: str, *, enabled: bool | None = None, stream: TextIO | None = None,
+                 logger: logging.Logger | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         decided = _decide(enabled)
+        if decided is None and logger is not None and logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+            decided = False
         live = interactive(self.stream)
         self.live = live and decided is not False
         self.on = self.live or decided is True

@@ -142,7 +142,7 @@ def find_batch_size(
                              "use objective='memory' and let the engine split the batch by speed")
     dev = resolve_device(device)
     # before anything is measured: on a terminal its first line is written now
-    shown = Progress(f"finding the batch size on {dev}", enabled=cfg.progress)
+    shown = Progress(f"finding the batch size on {dev}", enabled=cfg.progress, logger=logger)
     targets = [o for o in restore if o is not None]
     emulated = cfg.capacity is not None and dev.type in _EMULATED
     # called inside the caller's own emulate_capacity: measure against that emulation
@@ -249,9 +249,8 @@ def find_batch_size(
     if result.stop_reason == "max_trials":
         logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
                        plan.num_trials, plan.batch_size)
-    logger.info("batch size %d (%s; %s) after %d trials, %d OOM, %.2fs%s",
-                plan.batch_size, plan.stop_reason, plan.reason, plan.num_trials, plan.num_ooms, plan.seconds,
-                f", {plan.compilations} graph(s) compiled" if compiled else "")
+    # the answer explained, once: what the integrations and the engine leave in a configured log
+    logger.info("%s%s", plan.describe(), f"\n  {plan.compilations} graph(s) compiled" if compiled else "")
     shown.note(f"  batch size {plan.batch_size} after {plan.num_trials} trials, {plan.num_ooms} OOM, "
                f"{plan.seconds:.1f}s")
     return plan

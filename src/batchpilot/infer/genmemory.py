@@ -862,7 +862,7 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
         picked = [i for i in pending if low <= len(prompts[i]) < width][:b]  # type: ignore[index]
         return {i: prompts[i] for i in picked}  # type: ignore[index]
 
-    shown = Progress(f"sizing generate on {room.device}")
+    shown = Progress(f"sizing generate on {room.device}", logger=logger)
     share = (f"{format_bytes(room.start_bytes)} in use + {room.target:.0%} of the rest" if room.gauge.host else
              f"{room.target:.0%} of {format_bytes(room.capacity_bytes)}")
     shown.note(f"  {room.gauge.kind} memory, limit {format_bytes(room.limit_bytes)} ({share}), {N} new tokens")
