@@ -202,3 +202,33 @@ def test_the_target_has_one_check_and_one_default():
     defaults = {option_default("target")} | {inspect.signature(f).parameters["target"].default
                                               for f in (plan_batch_size, plan_generation)}
     assert defaults == {DEFAULT_TARGET}
+
+
+def _model_facts(tree: ast.AST) -> list[tuple[str, int]]:
+    """``(what, line)`` of a model's device or context worked out again: a function named for it,
+    ``next(...parameters()).device``, or a config's context field read by name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                "model_device" in node.name or "context_length" in node.name):
+            found.append((f"def {node.name}", node.lineno))
+        elif (isinstance(node, ast.Attribute) and node.attr == "device" and isinstance(node.value, ast.Call)
+              and _name(node.value.func) == "next" and "parameters" in ast.unparse(node.value)):
+            found.append(("next(parameters()).device", node.lineno))
+        elif isinstance(node, ast.Constant) and node.value in ("max_position_embeddings", "n_positions"):
+            found.append((repr(node.value), node.lineno))
+    return sorted(found, key=lambda f: f[1])
+
+
+def test_the_scan_sees_a_model_fact():
+    code = ("def _model_device(m):\n    return next(m.parameters()).device\n"
+            "n = getattr(cfg, 'max_position_embeddings', None)\n")
+    assert _model_facts(ast.parse(code)) == [("def _model_device", 1), ("next(parameters()).device", 2),
+                                             ("'max_position_embeddings'", 3)]
+
+
+def test_a_models_device_and_context_have_one_home():
+    wrong = [f"{rel}:{line} {what}" for rel, path in SOURCES.items() if rel != "core/model.py"
+             for what, line in _model_facts(ast.parse(path.read_text(), str(path)))]
+    assert not wrong, ("a model's device or context length worked out outside batchpilot/core/model.py; call "
+                       "batchpilot.core.model.model_device / context_length instead:\n" + "\n".join(wrong))

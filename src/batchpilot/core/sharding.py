@@ -14,8 +14,8 @@ from torch import nn
 
 from .ranks import group_size, is_distributed
 
-__all__ = ["fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "reset_fsdp_state", "reshard_fsdp", "shard_blocks",
-           "shard_model"]
+__all__ = ["all_fsdp_param_groups", "fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "reset_fsdp_state",
+           "reshard_fsdp", "shard_blocks", "shard_model"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -120,7 +120,8 @@ def fsdp_param_groups(module: nn.Module) -> list[Any]:
     return [] if group is None else [group]
 
 
-def _param_groups(model: nn.Module) -> list[Any]:
+def all_fsdp_param_groups(model: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of every ``fully_shard`` module of ``model`` (:func:`fsdp_param_groups` of each)."""
     groups = []
     for m in fsdp_modules(model):
         groups += fsdp_param_groups(m)
@@ -150,7 +151,7 @@ def reset_fsdp_state(model: nn.Module) -> None:
         # nothing ran, nothing to reset, and reset_iter_state() would raise AttributeError
         if root._get_fsdp_state()._is_root is not None:
             root.reset_iter_state()
-    for group in _param_groups(model):
+    for group in all_fsdp_param_groups(model):
         for p in group.fsdp_params:
             # gradients of no-sync micro-batches, waiting for the next reduce-scatter
             p.unsharded_accumulated_grad = None

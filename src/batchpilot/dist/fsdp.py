@@ -305,25 +305,52 @@ class FSDPCoordinator(DistributedCoordinator):
         Raises:
             CollectiveOOMError: the replay ran out of memory too (the process group is aborted).
         """
-        ledger = self._ledger
-        ledger.begin()
+        self.count_collectives()
         outcome = attempt(run, device=device, on_oom=None)
         if not outcome.oom:
             return outcome
-        issued, kind = ledger.issued, ledger.kind
-        self._clean(on_oom, device)
-        if self.world_size > 1:
-            ledger.skip = issued
-            ledger.issued = 0
-            again = attempt(replay, device=device, on_oom=None)
-            ledger.skip = 0
-            self._clean(on_oom, device)
-            if again.oom:
-                self._give_up(micro_batch_size, step, issued, kind, outcome.message or "", again.message or "")
-            self.replays += 1
+        issued = self.rejoin(replay, device=device, on_oom=on_oom, batch_size=micro_batch_size, step=step,
+                             message=outcome.message or "")
+        if issued is not None:
             logger.info("out of memory at micro-batch %d after %d FSDP collectives; replayed the rest at "
                         "one sample per micro-batch so that no rank waits", micro_batch_size, issued)
         return outcome
+
+    def count_collectives(self) -> None:
+        """Count FSDP's collectives from here: an attempt (or a finder's trial) begins."""
+        self._ledger.begin()
+
+    def rejoin(self, replay: Callable[[], Any], *, device: torch.device, on_oom: Callable[[], None] | None,
+               batch_size: int, step: int | None = None, message: str = "") -> int | None:
+        """After an OOM since :meth:`count_collectives`: reset FSDP, and replay so that the peers' collectives complete.
+
+        ``replay`` issues the attempt's collectives at one sample per micro-batch; those this rank
+        issued before it ran out run locally. ``on_oom`` drops what the attempt left (its gradients).
+
+        Returns:
+            The collectives issued before the OOM, or ``None`` alone (nothing to replay).
+
+        Raises:
+            CollectiveOOMError: the replay ran out of memory too (the process group is aborted).
+        """
+        ledger = self._ledger
+        issued, kind = ledger.issued, ledger.kind
+        self._clean(on_oom, device)
+        if self.world_size == 1:
+            return None
+        ledger.skip, ledger.issued = issued, 0
+        again = attempt(replay, device=device, on_oom=None)
+        ledger.skip = 0
+        self._clean(on_oom, device)
+        if again.oom:
+            self._give_up(batch_size, step, issued, kind, message, again.message or "")
+        self.replays += 1
+        return issued
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The sharded model :meth:`bind` attached to, or ``None`` before."""
+        return self._model
 
     def explain(self, exc: BaseException) -> BaseException | None:
         """The error to raise instead of ``exc`` when a peer's failure caused it, else ``None``.
@@ -451,7 +478,7 @@ class _Lockstep:
         return bool(all_reduce_ints([int(refused)], "max", group=self.coord.group)[0])
 
     def begin(self) -> None:
-        self.coord._ledger.begin()
+        self.coord.count_collectives()
 
     def recover(self, batch_size: int) -> None:
         """After an OOM here: reset FSDP and replay the trial at one sample, for the peers' collectives.
@@ -459,19 +486,7 @@ class _Lockstep:
         Raises:
             CollectiveOOMError: the replay ran out of memory too.
         """
-        coord = self.coord
-        ledger = coord._ledger
-        issued, kind = ledger.issued, ledger.kind
-        coord._clean(None, self.device)
-        if coord.world_size == 1:
-            return
-        ledger.skip, ledger.issued = issued, 0
-        again = attempt(self.replay, batch_size, device=self.device)
-        ledger.skip = 0
-        coord._clean(None, self.device)
-        if again.oom:
-            coord._give_up(batch_size, None, issued, kind, "", again.message or "")
-        coord.replays += 1
+        self.coord.rejoin(lambda: self.replay(batch_size), device=self.device, on_oom=None, batch_size=batch_size)
 
     def agree_trial(self, trial: Trial, space: SearchSpace) -> Trial:
         """The trial as all ranks saw it: the worst outcome and the largest peak, in one all-reduce."""
@@ -547,7 +562,7 @@ def find_batch_size_fsdp(
     """
     items = [o for o in restore if o is not None]
     coord = coordinator if coordinator is not None else FSDPCoordinator()
-    if coord._model is None:
+    if coord.model is None:
         models = [o for o in items if isinstance(o, nn.Module) and is_fsdp(o)]
         if not models:
             raise ValueError("find_batch_size_fsdp needs the fully_shard model in restore=(model, optimizer)")

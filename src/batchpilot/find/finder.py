@@ -27,7 +27,7 @@ from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import physical_bytes, pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
-from ..memory.probes import emulate_capacity, emulated_capacity, track_peak
+from ..memory.probes import EMULATED_DEVICES, emulate_capacity, emulated_capacity, track_peak
 from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, resolve_device
 from ..policy.search import (
@@ -64,8 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# devices whose capacity memory.emulate_capacity can enforce
-_EMULATED = ("cpu", "cuda")
 
 def find_batch_size(
     step: Callable[[int], Any],
@@ -144,9 +142,9 @@ def find_batch_size(
     # before anything is measured: on a terminal its first line is written now
     shown = Progress(f"finding the batch size on {dev}", enabled=cfg.progress, logger=logger)
     targets = [o for o in restore if o is not None]
-    emulated = cfg.capacity is not None and dev.type in _EMULATED
+    emulated = cfg.capacity is not None and dev.type in EMULATED_DEVICES
     # called inside the caller's own emulate_capacity: measure against that emulation
-    ambient = None if emulated else _ambient_capacity(dev)
+    ambient = None if emulated else emulated_capacity(dev)
     gauge = gauge_for(dev, emulated_capacity=cfg.capacity if emulated else ambient)
     tol = cfg.tolerance if cfg.tolerance is not None else (0.0 if gauge.kind == "tensors" else _REAL_TOLERANCE)
     started = time.perf_counter()
@@ -447,11 +445,6 @@ _REAL_TOLERANCE = 0.02
 _SPILL_SHARE = 0.05
 #: trials predicted within this share of a limit that kills are refused
 _KILL_MARGIN = 0.02
-
-
-def _ambient_capacity(device: torch.device) -> int | None:
-    """The capacity of an emulation already running for ``device`` (the caller's), if any."""
-    return emulated_capacity(device)
 
 
 def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:

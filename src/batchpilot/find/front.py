@@ -21,13 +21,15 @@ from ..core.amp import amp_dtype as _amp_dtype, autocast
 from ..core.batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_device
 from ..core.compiled import is_compiled, mark_batch_dynamic
 from ..core.loss import LossFn, as_loss_fn, forward_only, parse_loss
+from ..core.model import model_device
 from ..core.ranks import group_size
 from ..core.sharding import is_fsdp
 from ..memory.gauge import gauge_for
+from ..memory.probes import EMULATED_DEVICES, emulated_capacity
 from ..memory.tracker import view_extent
 from ..memory.units import format_bytes, resolve_device
 from ..policy.search import BatchSizeError
-from .finder import _EMULATED, _ambient_capacity, find_batch_size
+from .finder import find_batch_size
 from .options import FindOptions
 from .result import BatchPlan
 
@@ -156,9 +158,8 @@ def find_batch_size_for(
         if opts.max_batch_size is None or opts.max_batch_size > most:
             logger.info("split_fn cuts the example batch: searching up to its %d samples", most)
             opts = FindOptions.build(opts, max_batch_size=most)
-    params = list(model.parameters())
     if device is None:
-        device = params[0].device if params else None
+        device = model_device(model, default=None)  # a model without parameters: the current accelerator
     dev = resolve_device(device)
     targets = list(restore) if restore is not None else [model, optimizer, scaler]
     step = _train_step(model, optimizer, loss, dtype, scaler, dev) if mode == "train" else None
@@ -322,8 +323,8 @@ def _plan_seed(
     from ..plan.planner import plan_batch_size
 
     started = time.perf_counter()
-    emulated = cfg.capacity is not None and device.type in _EMULATED
-    gauge = gauge_for(device, emulated_capacity=cfg.capacity if emulated else _ambient_capacity(device))
+    emulated = cfg.capacity is not None and device.type in EMULATED_DEVICES
+    gauge = gauge_for(device, emulated_capacity=cfg.capacity if emulated else emulated_capacity(device))
     cap = cfg.capacity if cfg.capacity is not None else gauge.capacity()
     limit = int(cfg.target * cap)
     accounting = _cuda_accounting(device) if device.type == "cuda" else None

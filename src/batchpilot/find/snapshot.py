@@ -243,13 +243,13 @@ class StateSnapshot:
     @staticmethod
     def objects_nbytes(objects: Iterable[Any]) -> int:
         """Bytes a snapshot of ``objects`` would copy (parameters, buffers, gradients, state)."""
-        from ..memory.tracker import _tensors_of
+        from ..memory.tracker import tensors_of
 
         seen: dict[int, int] = {}
         for obj in objects:
             if obj is None:
                 continue
-            for t in _tensors_of(obj):
+            for t in tensors_of(obj):
                 seen[id(t)] = t.numel() * t.element_size()
         return sum(seen.values())
 

@@ -40,13 +40,14 @@ import torch
 
 from .._checks import positive_int
 from .._progress import Progress
+from ..core.model import context_length, model_device
 from ..find.notes import add_note
 from ..find.options import FindOptions
 from ..find.result import figure_name
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.host import pin_malloc_threshold
 from ..memory.oom import attempt, free_memory, is_oom
-from ..memory.probes import emulate_capacity, get_probe
+from ..memory.probes import EMULATED_DEVICES, emulate_capacity, emulated_capacity
 from ..memory.tracker import StorageTracker, active_tracker
 from ..memory.units import format_bytes, resolve_device
 from ..policy.lengths import LengthFit, check_lengths, fit_lengths
@@ -91,8 +92,6 @@ _BAND_SHARE = 0.75
 #: 4-layer Llama on CPU (benchmarks/lm_eval_side_by_side.py) 190 prompts of 10-207 tokens in one
 #: batch padded to 207 took 1.9x the time of the batches cut at each halving of the length
 MAX_PADDING = 2.0
-#: the config fields that give a causal LM's context, most specific first
-_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 class GenerationFitError(BatchSizeError):
@@ -540,25 +539,6 @@ class MemoryRoom:
             yield
 
 
-def model_device(model: Any) -> torch.device:
-    """The device of the model's first parameter (the CPU for a model without any)."""
-    params = getattr(model, "parameters", None)
-    first = next(iter(params()), None) if callable(params) else None
-    return first.device if first is not None else torch.device("cpu")
-
-
-def _ambient_emulation(device: torch.device) -> int | None:
-    """The capacity of an emulation the caller runs already (``emulate_capacity``), if any."""
-    if device.type == "cpu":
-        tr = active_tracker(device)
-        return None if tr is None else tr.capacity
-    if device.type == "cuda":
-        probed = get_probe(device).capacity()
-        total = int(torch.cuda.get_device_properties(device).total_memory)
-        return probed if probed < total else None
-    return None
-
-
 @contextlib.contextmanager
 def memory_room(model: Any, *, device: torch.device | str | int | None = None, capacity: int | str | None = None,
                 target: float | None = None) -> Iterator[MemoryRoom]:
@@ -577,7 +557,7 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
     share, cap = float(options.target), options.capacity
     dev = resolve_device(device) if device is not None else model_device(model)
     if cap is not None:
-        if dev.type not in ("cpu", "cuda"):
+        if dev.type not in EMULATED_DEVICES:
             raise BatchSizeError(f"capacity= is emulated on cpu and cuda, not {dev.type}; leave it out to use the "
                                  "device's own memory")
     with contextlib.ExitStack() as stack:
@@ -585,7 +565,7 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
             stack.enter_context(emulate_capacity(cap, dev, track=[model]))
             emulated: int | None = cap
         else:
-            emulated = _ambient_emulation(dev)
+            emulated = emulated_capacity(dev)
             tr = active_tracker(dev) if dev.type == "cpu" else None
             if tr is not None:
                 tr.track(model)  # the weights count from the start, not when a trial first reads them
@@ -693,16 +673,6 @@ def check_token_id(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{name} must be a token id (an int >= 0), got {value!r}")
     return int(value)
-
-
-def context_length(model: Any) -> int | None:
-    """The model's context (``config.max_position_embeddings`` or its like); ``None`` if it states none."""
-    config = getattr(model, "config", None)
-    for name in _CONTEXT_FIELDS:
-        value = getattr(config, name, None) if config is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, kwargs: dict[str, Any]) -> Any:

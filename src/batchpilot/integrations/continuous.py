@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .._checks import positive_int
+from ..core.model import context_length, model_device
 from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import ResidentPeak, resident_bytes
 from ..memory.oom import free_memory, is_oom
@@ -200,7 +201,7 @@ def size_continuous_batching(
     started = time.perf_counter()
     gen = _generation_config(model, generation_config)
     new_tokens = _max_new_tokens(gen)
-    context = _context_length(model)
+    context = context_length(model)
     lengths = _check_inputs(inputs, new_tokens, context)
     check_target(target)
     cap = None if capacity is None else parse_bytes(capacity)
@@ -208,7 +209,7 @@ def size_continuous_batching(
         positive_int("max_batch_tokens", max_batch_tokens)
     base_config = _base_config(config)
 
-    device = _model_device(model)
+    device = model_device(model)
     free_memory(device)
     gauge = gauge_for(device)
     try:
@@ -254,12 +255,6 @@ def _max_new_tokens(gen: Any) -> int:
     return positive_int("generation_config.max_new_tokens", new)
 
 
-def _context_length(model: nn.Module) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n = getattr(cfg, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
 def _check_inputs(inputs: Sequence[Sequence[int]] | None, new_tokens: int, context: int | None) -> list[int] | None:
     if inputs is None:
         return None
@@ -296,13 +291,6 @@ def _base_config(config: Any) -> Any:
         raise ValueError(f"config.num_blocks={config.num_blocks} is what this sizes: leave it None "
                          "(or pass the config straight to generate_batch without sizing it)")
     return copy.deepcopy(config)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    device = getattr(model, "device", None)
-    if not isinstance(device, torch.device):
-        device = next(model.parameters()).device
-    return device
 
 
 # ---------------------------------------------------------------------------

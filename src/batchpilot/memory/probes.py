@@ -20,7 +20,11 @@ from .gauge import AllocatorGauge
 from .tracker import StorageTracker, active_tracker
 from .units import format_bytes, parse_bytes, resolve_device
 
-__all__ = ["get_probe", "PeakMeasurement", "track_peak", "emulate_capacity", "emulated_capacity"]
+__all__ = ["get_probe", "PeakMeasurement", "track_peak", "emulate_capacity", "emulated_capacity", "EMULATED_DEVICES"]
+
+#: the device types :func:`emulate_capacity` can give a capacity of their own: a storage tracker on
+#: CPU, the caching allocator's memory fraction on CUDA
+EMULATED_DEVICES = ("cpu", "cuda")
 
 
 _GAUGES: dict[torch.device, AllocatorGauge] = {}
@@ -95,16 +99,15 @@ def track_peak(device: torch.device | str | int | None = None, *, track: Iterabl
         tr.track(*track)
         m.start_bytes = m.peak_bytes = tr.live
         m.extra["foreign_release_bytes"] = 0  # StorageTracker.foreign_release_bytes, for this region
-        tr._windows.append(m)
-        try:
-            if own:
-                with tr:
+        with tr.window(m):
+            try:
+                if own:
+                    with tr:
+                        yield m
+                else:
                     yield m
-            else:
-                yield m
-        finally:
-            tr._windows.remove(m)
-            m.end_bytes = tr.live
+            finally:
+                m.end_bytes = tr.live
         return
     gauge.reset()  # after the queued kernels
     m.start_bytes = gauge.current()

@@ -36,6 +36,7 @@ __all__ = [
     "tensor_storages",
     "wraps_subclass",
     "watch_storage_resizes",
+    "tensors_of",
 ]
 
 
@@ -194,6 +195,7 @@ class StorageTracker(TorchDispatchMode):
         # per thread: another thread's operators are still device memory while one thread pauses
         self._pause = threading.local()
         self._eager: list[contextlib.AbstractContextManager] = []
+        self._resizes: list[contextlib.AbstractContextManager] = []
 
     # -- bookkeeping ------------------------------------------------------
     @property
@@ -211,6 +213,20 @@ class StorageTracker(TorchDispatchMode):
         """The part of :attr:`live` that is host data seen through views (see :meth:`forget_host_views`)."""
         with self._lock:
             return self._ledger.host_bytes
+
+    @contextlib.contextmanager
+    def window(self, region: Any) -> Iterator[Any]:
+        """Raise ``region.peak_bytes`` to :attr:`live` at every new peak while the block runs.
+
+        ``region`` is a :class:`~batchpilot.memory.probes.PeakMeasurement` (what
+        :func:`~batchpilot.memory.probes.track_peak` yields): its ``extra["foreign_release_bytes"]``
+        is raised to the largest storage another thread released meanwhile.
+        """
+        self._windows.append(region)
+        try:
+            yield region
+        finally:
+            self._windows.remove(region)
 
     def _released(self, key: int, nbytes: int) -> None:
         if threading.get_ident() == self._home:
@@ -266,7 +282,7 @@ class StorageTracker(TorchDispatchMode):
         """Count tensors that already exist: modules, optimizers, tensors, or containers of them."""
         storages = []
         for obj in objs:
-            for t in _tensors_of(obj):
+            for t in tensors_of(obj):
                 storages += [st for st in tensor_storages(t) if _on(st, t, self.device)]
         self._add_storages(storages)
         return self
@@ -466,14 +482,14 @@ class StorageTracker(TorchDispatchMode):
         self._eager.append(eager)
         self._home = threading.get_ident()
         _ACTIVE.append(self)
-        _RESIZE_WATCHERS.append(self)
-        _patch_resize()
+        resizes = watch_storage_resizes(self._post_resize, self._pre_resize)
+        resizes.__enter__()
+        self._resizes.append(resizes)
         try:
             return super().__enter__()
         except BaseException:
             _ACTIVE.remove(self)
-            _RESIZE_WATCHERS.remove(self)
-            _patch_resize()
+            self._resizes.pop().__exit__(None, None, None)
             self._eager.pop().__exit__(None, None, None)
             raise
 
@@ -482,8 +498,7 @@ class StorageTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _ACTIVE.remove(self)
-            _RESIZE_WATCHERS.remove(self)
-            _patch_resize()
+            self._resizes.pop().__exit__(None, None, None)
             self._eager.pop().__exit__(None, None, None)
 
 
@@ -548,19 +563,23 @@ def _on(st: torch.UntypedStorage, t: torch.Tensor, device: torch.device) -> bool
     return st.device == device if hasattr(st, "device") else t.device == device
 
 
-#: objects with ``_pre_resize(storage, nbytes)`` (may raise) and ``_post_resize(storage, nbytes)``
-_RESIZE_WATCHERS: list[Any] = []
+#: a hook on a storage resized in place: ``hook(storage, new size in bytes)``
+ResizeHook = Callable[[torch.UntypedStorage, int], None]
+
+#: ``(before, after)`` pairs of ``f(storage, nbytes)`` around every resize (``before`` may raise)
+_RESIZE_WATCHERS: list[tuple[ResizeHook | None, ResizeHook]] = []
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 _resize_lock = threading.Lock()
 
 
 def _watched_resize(st: torch.UntypedStorage, size: int) -> Any:
     watchers = list(_RESIZE_WATCHERS)
-    for w in watchers:
-        w._pre_resize(st, int(size))
+    for before, _ in watchers:
+        if before is not None:
+            before(st, int(size))
     out = _ORIGINAL_RESIZE(st, size)
-    for w in watchers:
-        w._post_resize(st, int(size))
+    for _, after in watchers:
+        after(st, int(size))
     return out
 
 
@@ -571,18 +590,19 @@ def _patch_resize() -> None:
 
 
 @contextlib.contextmanager
-def watch_storage_resizes(watcher: Any) -> Iterator[None]:
-    """Call ``watcher._pre_resize(storage, nbytes)`` / ``_post_resize`` around every storage resize.
+def watch_storage_resizes(after: ResizeHook, before: ResizeHook | None = None) -> Iterator[None]:
+    """Call ``before(storage, nbytes)`` (which may raise, refusing it) and ``after(storage, nbytes)`` around every storage resize.
 
     FSDP2 allocates and frees its unsharded parameters with ``UntypedStorage.resize_``, which no
     dispatch mode sees; :class:`StorageTracker` and the planner's counter listen here.
     """
-    _RESIZE_WATCHERS.append(watcher)
+    hooks = (before, after)
+    _RESIZE_WATCHERS.append(hooks)
     _patch_resize()
     try:
         yield
     finally:
-        _RESIZE_WATCHERS.remove(watcher)
+        _RESIZE_WATCHERS.remove(hooks)
         _patch_resize()
 
 
@@ -621,7 +641,10 @@ def untracked(device: torch.device | str | None = "cpu") -> Iterator[list[Storag
         yield trackers
 
 
-def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors ``obj`` holds: a tensor and its gradient; a module's parameters, their gradients
+    and its buffers; an optimizer's state; those of a dict's values or a sequence's items; those of
+    any other object's ``state_dict()`` (a ``GradScaler``). A tensor may come more than once."""
     if isinstance(obj, torch.Tensor):
         yield obj
         if obj.grad is not None:
@@ -634,12 +657,12 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
         yield from obj.buffers()
     elif isinstance(obj, torch.optim.Optimizer):
         for state in obj.state.values():
-            yield from _tensors_of(state)
+            yield from tensors_of(state)
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors_of(v)
+            yield from tensors_of(v)
     elif isinstance(obj, (list, tuple, set)):
         for v in obj:
-            yield from _tensors_of(v)
+            yield from tensors_of(v)
     elif hasattr(obj, "state_dict") and callable(obj.state_dict):  # GradScaler and friends
-        yield from _tensors_of(obj.state_dict())
+        yield from tensors_of(obj.state_dict())

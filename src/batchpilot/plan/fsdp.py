@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..core.sharding import _param_groups, fsdp_param_groups, is_fsdp, shard_model
+from ..core.sharding import all_fsdp_param_groups, fsdp_param_groups, is_fsdp, shard_model
 from .result import PlanningError
 
 __all__ = ["SHARDINGS", "ShardFn", "FakeShards", "fake_process_group"]
@@ -88,7 +88,7 @@ class FakeShards:
             counter.mark(p.grad, "gradients")
 
         def after_forward(*_: Any) -> None:
-            for group in _param_groups(self.model):
+            for group in all_fsdp_param_groups(self.model):
                 for fp in group.fsdp_params:
                     up = getattr(fp, "_unsharded_param", None)
                     if up is not None and id(up) not in hooked and up.requires_grad:

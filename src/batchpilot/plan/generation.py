@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._checks import positive_int
+from ..core.model import context_length
 from ..policy.search import DEFAULT_TARGET
 from .planner import estimate_peak_memory, plan_batch_size
 from .result import MemoryEstimate, PlanningError, PlanResult
@@ -231,8 +232,9 @@ def _vocab(model: nn.Module) -> int:
 def _check(model: nn.Module, prompt_length: int, new_tokens: int) -> None:
     positive_int("prompt_length", prompt_length)
     positive_int("new_tokens", new_tokens)
-    context = getattr(_text_config(model), "max_position_embeddings", None)
-    if isinstance(context, int) and prompt_length + new_tokens > context:
+    _text_config(model)  # a model with a config, or the error that says what planning needs
+    context = context_length(model)
+    if context is not None and prompt_length + new_tokens > context:
         raise ValueError(f"prompt_length {prompt_length} + new_tokens {new_tokens} = {prompt_length + new_tokens} "
                          f"positions, past the model's context of {context}")
 

@@ -236,11 +236,8 @@ class _FakeStorageCounter(TorchDispatchMode):
             if rec is not None and rec.role is None:
                 rec.role = role
 
-    # storages resized in place (FSDP2's unsharded parameters), which no dispatch mode sees
-    def _pre_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
-        return None
-
-    def _post_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+    def resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """Count a storage resized in place (FSDP2's unsharded parameters), which no dispatch mode sees."""
         if nbytes > 0 or id(st) in self._records:
             self._add(st)
             rec = self._records.get(id(st))
@@ -507,7 +504,7 @@ def _measure(setup: _FakeSetup, cfg: _Config, batch_size: int) -> MemoryEstimate
         # a compiled model is planned as its eager program: dynamo cannot run on fake tensors under
         # a dispatch mode, and would otherwise stop compiling the model's code for good
         with torch.enable_grad() if cfg.mode == "train" else contextlib.nullcontext(), eager_while_tracked(), \
-                setup.fake_mode, counter, watch_storage_resizes(counter):
+                setup.fake_mode, counter, watch_storage_resizes(counter.resized):
             for _ in range(cfg.steps):
                 cfg.step(setup.model, optimizer, batch)
     except (PlanningError, ValueError, TypeError):
