@@ -279,7 +279,7 @@ def test_resilient_module_alone_searches_on_its_first_batch_and_resumes_from_a_c
     assert micro < 64  # 300 KiB does not hold a step at 64: the engine accumulates
     ckpt = tmp_path / "last.ckpt"
     t.save_checkpoint(ckpt)
-    assert torch.load(ckpt, weights_only=False)["batchpilot_engine"]["policy"]["micro"] == micro
+    assert torch.load(ckpt, weights_only=False)["batchpilot_engine"]["micro_batch"]["policy"]["micro"] == micro
     resumed = Net()
     t2 = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=tmp_path)

@@ -212,9 +212,11 @@ def train(schedule, *, epochs: int, resume: dict | None = None, stop_at: int | N
         loader.set_batch_size(engine.per_rank_batch_size)
         start_epoch = resume["epoch"]
         saved, now = resume["engine"], engine.state_dict()
-        for key in ("global_batch_size", "samples", "last_batch_change", "noise", "steps"):
-            assert now[key] == saved[key], key  # the schedule and the EMAs continue where they were
-        assert now["policy"]["micro"] == saved["policy"]["micro"]  # and the micro-batch
+        for key in ("global_batch_size", "samples", "last_batch_change"):
+            assert now["global_batch"][key] == saved["global_batch"][key], key  # the schedule continues
+        for key in ("noise", "steps"):
+            assert now[key] == saved[key], key  # and the EMAs
+        assert now["micro_batch"]["policy"]["micro"] == saved["micro_batch"]["policy"]["micro"]  # and the micro-batch
     record = {"indices": [], "globals": [], "lrs": []}
     for epoch in range(start_epoch, epochs):
         loader.set_epoch(epoch)

@@ -470,15 +470,16 @@ def test_state_dict_resumes_without_probing(monkeypatch):
         for _ in range(3):
             eng.step(next(data))
     state = eng.state_dict()
-    # the micro-batch is saved once, by its owner, the policy
-    assert set(state) == {"version", "global_batch_size", "world_size", "steps", "policy", "fit",
-                          "scaler", "samples", "reference_batch_size", "last_batch_change", "micro_cap", "noise",
-                          "schedule", "lengths"}
+    # each part's state under a key of its own; the micro-batch is saved once, by its owner, the policy
+    assert set(state) == {"version", "steps", "global_batch", "micro_batch", "scaler", "noise", "lengths"}
+    assert set(state["global_batch"]) == {"global_batch_size", "world_size", "samples", "reference_batch_size",
+                                          "last_batch_change", "schedule"}
+    assert set(state["micro_batch"]) == {"policy", "fit", "micro_cap"}
     assert state["lengths"] is None  # no lengths=: nothing to size by length
-    assert (state["global_batch_size"], state["world_size"]) == (n, 1)
-    micro = state["policy"]["micro"]
+    assert (state["global_batch"]["global_batch_size"], state["global_batch"]["world_size"]) == (n, 1)
+    micro = state["micro_batch"]["policy"]["micro"]
     assert micro == eng.micro_batch_size < n and state["steps"] == 3
-    clean = state["policy"]["clean"]
+    clean = state["micro_batch"]["policy"]["clean"]
 
     resumed = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
     monkeypatch.setattr(Engine, "_find_start", lambda *a: pytest.fail("resumed engine probed again"))
@@ -509,6 +510,19 @@ STATE_V2 = {
 }
 
 
+#: the same run as version 3 wrote it: one flat dict, the micro-batch in "policy" only
+STATE_V3 = {k: v for k, v in STATE_V2.items() if k != "micro_batch_size"} | {"version": 3}
+
+
+def _as_version_4(flat: dict) -> dict:
+    """A flat state of versions 2-3 in version 4's layout: each part's keys under its own."""
+    parts = {"global_batch": ("global_batch_size", "world_size", "samples", "reference_batch_size",
+                              "last_batch_change", "schedule"),
+             "micro_batch": ("policy", "fit", "micro_cap")}
+    rest = {k: v for k, v in flat.items() if k != "micro_batch_size" and not any(k in keys for keys in parts.values())}
+    return {**rest, "version": 4, **{part: {k: flat[k] for k in keys} for part, keys in parts.items()}}
+
+
 def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
     n = GLOBAL["mlp"]
     assert n == STATE_V2["global_batch_size"]
@@ -521,8 +535,7 @@ def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
         for _ in range(3):
             eng.step(next(data))
     now = eng.state_dict()
-    old = {k: v for k, v in STATE_V2.items() if k not in ("version", "micro_batch_size")}
-    assert now == {**old, "version": 3}
+    assert now == _as_version_4(STATE_V2)
 
     resumed = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
     monkeypatch.setattr(Engine, "_find_start", lambda *a: pytest.fail("resumed engine probed again"))
@@ -532,6 +545,11 @@ def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
     with emulate_capacity(capacity, track=(model, opt)):
         r = resumed.step(next(data))
     assert (r.ooms, r.micro_batch_size, resumed.policy.clean, resumed.steps) == (0, 16, 2, 4)
+
+    # version 3 (one flat dict, the micro-batch in "policy" only) resumes alike
+    v3 = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
+    v3.load_state_dict(STATE_V3)
+    assert v3.state_dict() == now and v3.micro_batch_reason == "resumed from a checkpoint at micro-batch 16"
 
     # a fixed micro-batch's version-2 state held it only at the top: an "auto" engine starts there
     fixed_v2 = {**STATE_V2, "micro_batch_size": 8, "policy": None, "fit": {"increase": [], "prior": None}}

@@ -121,7 +121,8 @@ def test_state_keeps_the_global_batch_across_world_sizes(caplog):
     two = Engine(model, opt, CE, global_batch_size=N, start=N // 2, coordinator=World(2))
     two.step(next(batches(model, N // 2, 1)))
     state = two.state_dict()
-    assert (state["global_batch_size"], state["world_size"], state["policy"]["micro"]) == (N, 2, N // 2)
+    assert (state["global_batch"]["global_batch_size"], state["global_batch"]["world_size"],
+            state["micro_batch"]["policy"]["micro"]) == (N, 2, N // 2)
 
     one = Engine(model, opt, CE, global_batch_size=N)  # the same global batch on one rank
     with caplog.at_level(logging.INFO, logger="batchpilot.train.engine"):
@@ -149,7 +150,9 @@ def test_state_for_another_global_batch_warns_and_version_one_loads(caplog):
         other.load_state_dict(state)
     assert f"saved for a global batch of {N}; this engine trains on {N // 2}" in caplog.text
     # version 1 stored the per-rank batch as global_batch_size and no world size
-    old = {k: v for k, v in state.items() if k != "world_size"} | {"version": 1, "global_batch_size": N // 2}
+    flat = {**{k: v for k, v in state.items() if k not in ("global_batch", "micro_batch")},
+            **state["global_batch"], **state["micro_batch"]}  # versions 1-3 were one flat dict
+    old = {k: v for k, v in flat.items() if k != "world_size"} | {"version": 1, "global_batch_size": N // 2}
     resumed = Engine(model, opt, CE, global_batch_size=N, coordinator=World(2))
     resumed.load_state_dict(old)
     assert resumed.micro_batch_size == 8 and resumed.steps == 1

@@ -16,7 +16,6 @@ retry puts back (:class:`~batchpilot.train.retry.RetryState`), the sizing by len
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import numbers
 import time
@@ -31,6 +30,7 @@ from ..core.amp import amp_dtype as _amp_dtype, autocast
 from ..core.batch import BatchLayout, BatchSplitter, SplitFn
 from ..core.compiled import CompileCounter, is_compiled, mark_batch_dynamic, no_single_tail
 from ..core.loss import as_loss_fn, parse_loss
+from ..core.model import model_device
 from ..core.ranks import group_size
 from ..core.sharding import is_fsdp
 from ..dist.coordinator import Coordinator, LocalCoordinator, check_coordinator
@@ -44,7 +44,7 @@ from ..memory.probes import emulated_capacity
 from ..memory.tracker import active_tracker
 from ..memory.units import resolve_device
 from ..policy.microbatch import MicroBatchPolicy, PeakFit, accum_steps, balanced_sizes
-from ..policy.schedule import BatchSchedule, SchedulePoint, parse_schedule
+from ..policy.schedule import BatchSchedule
 from ..policy.search import BatchSizeError, check_target
 from ..policy.speed import SPEED_TOLERANCE, SplitChoice, check_speed_tolerance
 from .adapt import MicroBatcher
@@ -52,6 +52,7 @@ from .batching import BatchConfig, rescale_lr, rescale_weight_decay, split_sizes
 from .lengths import LengthConfig, LengthSizer, make_sizer
 from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
 from .retry import BatchDoesNotFitError, RetryState, fixed_oom_error
+from .schedule import GlobalBatch
 
 __all__ = [
     "BatchDoesNotFitError",
@@ -64,11 +65,18 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# 4: each part's state under a key of its own ("global_batch", "micro_batch"); 1-3 were one flat dict.
 # 3: the micro-batch is saved once, in "policy"; 2 and 1 also held it as "micro_batch_size".
 # 2: global_batch_size is the global batch over all ranks and world_size is stored; in 1 it
 # was the per-rank batch (which is all that loading uses of it).
-_STATE_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+_STATE_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
+#: the keys of versions 1-3 that are each part's state in version 4
+_FLAT_KEYS = {
+    "global_batch": ("global_batch_size", "world_size", "samples", "reference_batch_size", "last_batch_change",
+                     "schedule"),
+    "micro_batch": ("policy", "fit", "micro_cap", "micro_batch_size"),
+}
 
 
 @dataclass(kw_only=True)
@@ -327,14 +335,16 @@ class Engine:
         schedule: BatchSchedule | str | None = None,
         lengths: LengthConfig | bool | None = None,
     ) -> None:
-        self._global = _positive_int("global_batch_size", global_batch_size)
+        _positive_int("global_batch_size", global_batch_size)
         self._fsdp = is_fsdp(model)
         self.coordinator: Coordinator = coordinator if coordinator is not None else _default_coordinator(self._fsdp)
         check_coordinator(self.coordinator)
         self.layout = BatchLayout.of(shared, split_fn)
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
-        self._per_rank = _per_rank_batch(self._global, self._world)
+        #: the global batch, the batch the LR is set for, and the schedule that moves it (batchpilot.train.schedule)
+        self.global_batch = GlobalBatch(global_batch_size, world_size=self._world, schedule=schedule)
+        schedule = self.global_batch.schedule
         self.config = config if config is not None else EngineConfig()
         #: the finder's plan the first micro-batch came from (given as ``start`` or found on step 1)
         self.plan: BatchPlan | None = None
@@ -379,7 +389,7 @@ class Engine:
         self.target = float(target)
         self.grad_clip = grad_clip
         self.scheduler = scheduler
-        self.device = resolve_device(device if device is not None else _model_device(model))
+        self.device = resolve_device(device if device is not None else model_device(model))
         self.amp_dtype = _amp_dtype(amp)
         if self._fsdp:
             self._bind_fsdp(model)
@@ -407,26 +417,14 @@ class Engine:
         self._last_scale: float | None = None
         # peak of the last gradient sync + optimizer step; it does not depend on the micro-batch
         self._apply_peak = 0
-        # statistical efficiency: the noise scale (batchpilot.train.noise) and a global-batch schedule
-        if isinstance(schedule, str):
-            schedule = parse_schedule(schedule)
-        if schedule is not None and not isinstance(schedule, BatchSchedule):
-            raise TypeError(f"schedule must be a batchpilot.policy.schedule.BatchSchedule or its spec "
-                            f"(\"ramp:32,32,10000\"), got {type(schedule).__name__}")
-        self.schedule: BatchSchedule | None = schedule
+        # statistical efficiency: the noise scale (batchpilot.train.noise), which a schedule may follow
         self.noise_meter: NoiseMeter | None = make_meter(
             noise, world=self._world, deferred=self.coordinator.defer_grad_sync,
             follower=None if schedule is None or not schedule.reads_noise else schedule.describe(),
         )
-        self._reference = self._global  # the batch the optimizer's LR is set for
-        self.samples_seen = 0  # over all ranks
-        self._last_change = 0
-        self._short_batches = 0
         self._clip_covers_all = {id(p) for p in self._opt_params} == {id(p) for p in self._params}
         self._pending_noise: Any = None
-        if schedule is not None:
-            first = schedule.initial(self._global, self._world)
-            self._apply_schedule_change(first)
+        self._apply_schedule_change(self.global_batch.initial())
         #: sizes each step by its sequence length (batchpilot.train.lengths), or None
         self.lengths: LengthSizer | None = make_sizer(
             lengths, self.plan, start=self._start, fixed=self.fixed, search=self._length_search,
@@ -470,8 +468,7 @@ class Engine:
         n = split.size
         if n > self._per_rank:
             raise ValueError(self._too_large(n))
-        if self.schedule is not None:
-            self._check_loader_follows(n)
+        self.global_batch.check_loader(n)
         self.coordinator.agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
         if self.lengths is not None:
             self._size_by_length(split)  # before running: from the memory model at this length
@@ -541,8 +538,8 @@ class Engine:
         peak = max(attempt_peak, self._apply_peak)
         noise = self._commit_noise(skip_reason)
         this_global = self._global
-        self.samples_seen += n * self._world
-        self._follow_schedule()
+        self.global_batch.count(n)
+        self._apply_schedule_change(self.global_batch.next_size(self.steps, lambda: self.noise_scale))
         return StepResult(
             loss_tensor=acc.loss,
             micro_batch_size=acc.sizes[0],
@@ -571,7 +568,25 @@ class Engine:
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step, summed over all ranks."""
-        return self._global
+        return self.global_batch.size
+
+    @property
+    def schedule(self) -> BatchSchedule | None:
+        """The global-batch schedule (:mod:`batchpilot.policy.schedule`), or ``None``; the part's."""
+        return self.global_batch.schedule
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on so far, summed over all ranks."""
+        return self.global_batch.samples
+
+    @property
+    def _global(self) -> int:
+        return self.global_batch.size
+
+    @property
+    def _per_rank(self) -> int:
+        return self.global_batch.per_rank
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -633,9 +648,8 @@ class Engine:
             ValueError: not a positive int, or not a multiple of the world size (the message
                 names the nearest that are); an unknown ``lr_rule``.
         """
-        new = _positive_int("global_batch_size", global_batch_size)
-        per_rank = _per_rank_batch(new, self._world)
-        old = self._global
+        self.global_batch.check(global_batch_size)
+        new, old = int(global_batch_size), self._global
         if new == old:
             return 1.0
         factor = 1.0
@@ -643,13 +657,13 @@ class Engine:
             factor = rescale_lr(self.optimizer, old, new, rule=lr_rule, scheduler=self.scheduler)
             if scale_weight_decay:
                 rescale_weight_decay(self.optimizer, old, new, lr_factor=factor)
-        self._resize(new, per_rank)
+        self._resize(new)
         logger.info("global batch %d -> %d: %s", old, new, self.describe())
         return factor
 
-    def _resize(self, new: int, per_rank: int) -> None:
-        self._global, self._per_rank = new, per_rank
-        self.batcher.resize(per_rank)
+    def _resize(self, new: int) -> None:
+        self.global_batch.resize(new)
+        self.batcher.resize(self._per_rank)
 
     @property
     def accum_steps(self) -> int | None:
@@ -702,27 +716,25 @@ class Engine:
         return f"{head}, micro {micro} × accum {k} ({sizes}){why}"
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's own state: micro-batch policy, memory fit, GradScaler, step count.
+        """The engine's own state: the step count, and each part's state under a key of its own.
 
-        ``global_batch_size`` is the global batch over all ranks and ``world_size`` the ranks it
-        was saved on; ``policy`` holds the micro-batch (``policy["micro"]``) and its growth
-        counters, ``None`` before the first step and for a fixed micro-batch. Model, optimizer
-        and scheduler are the caller's to checkpoint.
+        ``steps``; ``global_batch`` (:meth:`batchpilot.train.schedule.GlobalBatch.state_dict`: the
+        global batch over all ranks, the ``world_size`` it was saved on, the samples seen and the
+        schedule's counters); ``micro_batch`` (:meth:`batchpilot.train.adapt.MicroBatcher.state_dict`:
+        ``micro_batch["policy"]["micro"]`` is the micro-batch, ``policy`` is ``None`` before the
+        first step and for a fixed micro-batch); ``scaler`` (fp16's ``GradScaler``), ``noise``
+        (:class:`~batchpilot.train.noise.NoiseMeter`) and ``lengths``
+        (:class:`~batchpilot.train.lengths.LengthSizer`), each ``None`` when the part is off.
+        Plain containers of numbers and strings: ``weights_only=True`` loads them. Model,
+        optimizer and scheduler are the caller's to checkpoint.
         """
         return {
             "version": _STATE_VERSION,
-            "global_batch_size": self._global,
-            "world_size": self._world,
             "steps": self.steps,
-            **self.batcher.state_dict(),  # policy, fit, micro_cap
+            "global_batch": self.global_batch.state_dict(),
+            "micro_batch": self.batcher.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            # statistical efficiency: plain numbers and strings (weights_only=True loads them)
-            "samples": self.samples_seen,
-            "reference_batch_size": self._reference,
-            "last_batch_change": self._last_change,
             "noise": None if self.noise_meter is None else self.noise_meter.state_dict(),
-            "schedule": None if self.schedule is None else self.schedule.describe(),
-            # sizing by length: the fit, verified lengths and corrections (batchpilot.train.lengths)
             "lengths": None if self.lengths is None else self.lengths.state_dict(),
         }
 
@@ -735,8 +747,8 @@ class Engine:
         counters start afresh then); a saved global batch other than this one is logged. A fixed
         ``micro_batch_size`` given to the constructor wins over the saved one. With ``lengths=``,
         the sizer continues from its saved model (no search again at a verified length); a state
-        without it (saved before) leaves the sizer to fit on the first batch. States of
-        versions 2 and 1 (whose ``global_batch_size`` was the per-rank batch) load too.
+        without it (saved before) leaves the sizer to fit on the first batch. States of versions
+        3, 2 and 1 (one flat dict; in 1 ``global_batch_size`` was the per-rank batch) load too.
 
         Raises:
             ValueError: the state comes from an unknown version, or its "lengths" is not a sizer's state.
@@ -746,33 +758,34 @@ class Engine:
             raise ValueError(
                 f"engine state version {version!r} is not one of {', '.join(map(str, _READABLE_VERSIONS))}"
             )
+        state = _nested_state(state)
         if state.get("lengths") is not None:
             if self.lengths is not None:
                 self.lengths.load_state_dict(state["lengths"])
             else:
                 logger.warning("the engine state holds a sequence-length sizer's model; this engine has no "
                                "lengths= and ignores it")
-        saved_world = state.get("world_size")
-        if self.schedule is not None and version >= 2:
-            self._resume_schedule(state)
-        elif version >= 2 and state.get("global_batch_size") != self._global:
-            logger.warning(
-                "the engine state was saved for a global batch of %s; this engine trains on %d "
-                "(check the learning rate: batchpilot.train.batching.rescale_lr)",
-                state.get("global_batch_size"), self._global,
-            )
+        saved = state["global_batch"]
+        saved_world = saved.get("world_size")
+        resume_at = self.global_batch.load_state_dict(saved, per_rank_saved=version == 1)
+        if resume_at is not None:
+            # a schedule continues from the saved global batch, which the optimizer's LR is for
+            if resume_at == self._global:
+                self._resize(resume_at)
+            else:
+                self.set_global_batch_size(resume_at, lr_rule=self.schedule.lr_rule,
+                                           scale_weight_decay=self.schedule.scale_weight_decay)
         if saved_world is not None and saved_world != self._world:
             logger.info("engine state saved on %d rank(s), resumed on %d: %d samples per rank",
                         saved_world, self._world, self._per_rank)
         self.steps = int(state["steps"])
-        self.samples_seen = int(state.get("samples", 0))
-        self._last_change = int(state.get("last_batch_change", 0))
         if self.noise_meter is not None and state.get("noise") is not None:
             self.noise_meter.load_state_dict(state["noise"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._last_scale = None
-        self.batcher.load_state_dict(state, per_rank=self._per_rank, same_world=saved_world in (None, self._world))
+        self.batcher.load_state_dict(state["micro_batch"], per_rank=self._per_rank,
+                                     same_world=saved_world in (None, self._world))
 
     # ------------------------------------------------------------------ schedule and noise
     def _commit_noise(self, skip_reason: str | None) -> NoiseSample | None:
@@ -782,57 +795,13 @@ class Engine:
             return None
         return self.noise_meter.commit(pending)
 
-    def _follow_schedule(self) -> None:
-        """Ask the schedule for the next step's global batch, and move to it."""
-        schedule = self.schedule
-        if schedule is None:
-            return
-        point = SchedulePoint(step=self.steps, samples=self.samples_seen, current=self._global,
-                              last_change=self._last_change, world=self._world)
-        if schedule.reads_noise and schedule.wants_noise(point):
-            # every rank reads the same number: its norms were summed over ranks
-            point = dataclasses.replace(point, noise_scale=self.noise_scale)
-        self._apply_schedule_change(schedule.decide(point, self._reference))
-
     def _apply_schedule_change(self, new: int) -> None:
+        """Move to the global batch the schedule decided, rescaling the LR by its rule."""
         if new == self._global:
             return
         schedule = self.schedule
         self.set_global_batch_size(new, lr_rule=schedule.lr_rule, scale_weight_decay=schedule.scale_weight_decay)
-        self._last_change = self.steps
-
-    def _resume_schedule(self, state: dict[str, Any]) -> None:
-        """Continue a schedule where the state left it: its global batch, made valid for this world size.
-
-        The optimizer's checkpoint holds the LR of the saved global batch, so only a batch that
-        this world size must round is rescaled (from the saved one).
-        """
-        saved = int(state["global_batch_size"])
-        reference = int(state.get("reference_batch_size", self._reference))
-        if reference != self._reference:
-            logger.warning("the engine state was saved with global_batch_size=%d as the schedule's reference; "
-                           "this engine has %d", reference, self._reference)
-        if state.get("schedule") not in (None, self.schedule.describe()):
-            logger.warning("the engine state was saved under the %s schedule; continuing under %s",
-                           state["schedule"], self.schedule.describe())
-        target = self.schedule.for_world(saved, self._reference, self._world)
-        self._global = saved  # what the optimizer's LR is for
-        if target == saved:
-            self._resize(saved, _per_rank_batch(saved, self._world))
-        else:
-            logger.info("the saved global batch %d does not suit %d rank(s): continuing at %d", saved, self._world, target)
-            self.set_global_batch_size(target, lr_rule=self.schedule.lr_rule,
-                                       scale_weight_decay=self.schedule.scale_weight_decay)
-
-    def _check_loader_follows(self, n: int) -> None:
-        """Warn when batches stay short of the per-rank batch after a schedule grew it (one short batch is an epoch's end)."""
-        self._short_batches = self._short_batches + 1 if n < self._per_rank else 0
-        if self._short_batches == 2:
-            logger.warning(
-                "two batches in a row of %d samples, fewer than this rank's %d: the schedule grew the global "
-                "batch but the data loader did not follow; call loader.set_batch_size(engine.per_rank_batch_size) "
-                "after each step", n, self._per_rank,
-            )
+        self.global_batch.mark_change(self.steps)
 
     # ------------------------------------------------------------------ setup
     def _initialise(self, split: BatchSplitter) -> None:
@@ -864,10 +833,10 @@ class Engine:
         return f"this rank's share {self._per_rank} (global_batch_size={self._global} over {self._world} ranks)"
 
     def _too_large(self, n: int) -> str:
-        if self._global != self._reference:
+        if self._global != self.global_batch.reference:
             return (
                 f"the batch has {n} samples, more than this rank's {self._per_rank} of the global batch "
-                f"{self._global} (it was {self._reference}; a schedule or set_global_batch_size changed it): "
+                f"{self._global} (it was {self.global_batch.reference}; a schedule or set_global_batch_size changed it): "
                 "have the data loader follow the engine, loader.set_batch_size(engine.per_rank_batch_size) "
                 "after each step"
             )
@@ -1181,28 +1150,13 @@ class Engine:
         return anyone, pressure and not anyone
 
 
-def _per_rank_batch(global_batch_size: int, world_size: int) -> int:
-    """``global // world``, or BatchConfig's error (with the nearest valid global batches).
-
-    Raises:
-        ValueError: ``global_batch_size`` is not a multiple of ``world_size``.
-    """
-    try:
-        # BatchConfig owns the arithmetic and its error messages; only the division is checked
-        # here, since the engine's micro-batch need not divide the per-rank batch
-        BatchConfig(global_batch_size=global_batch_size, world_size=world_size)
-    except ValueError as exc:
-        raise ValueError(
-            f"{exc}. global_batch_size is the batch over all {world_size} ranks; each rank trains on "
-            "an equal share of it"
-        ) from None
-    return global_batch_size // world_size
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+def _nested_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An engine state in the layout of version 4: one written by versions 1-3 (one flat dict) regrouped by part."""
+    if state.get("version") == _STATE_VERSION:
+        return state
+    flat = dict(state)
+    parts = {part: {k: flat.pop(k) for k in keys if k in flat} for part, keys in _FLAT_KEYS.items()}
+    return {**flat, **parts}
 
 
 def _default_coordinator(fsdp: bool = False) -> Coordinator:
