@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from batchpilot.app.models import MLP, TinyGPT
-from batchpilot.core.sharding import _param_groups, fsdp_roots, is_fsdp, reset_fsdp_state, shard_blocks, shard_model
+from batchpilot.core.sharding import all_fsdp_param_groups, fsdp_roots, is_fsdp, reset_fsdp_state, shard_blocks, shard_model
 from batchpilot.dist import distributed as bd
 from batchpilot.dist.fsdp import FSDPCoordinator
 from batchpilot.memory.probes import emulate_capacity, track_peak
@@ -113,7 +113,7 @@ def test_reset_fsdp_state_drops_unsynced_gradients(one_rank):
     x, y = fc.global_batch(0)
     model.set_requires_gradient_sync(False)
     fc.ce_loss(model, (x, y)).backward()
-    unsharded = [p._unsharded_param for g in _param_groups(model) for p in g.fsdp_params]
+    unsharded = [p._unsharded_param for g in all_fsdp_param_groups(model) for p in g.fsdp_params]
     assert any(p.grad is not None for p in unsharded)
     reset_fsdp_state(model)
     assert all(p.grad is None for p in unsharded)
