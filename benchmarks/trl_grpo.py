@@ -18,6 +18,7 @@ Columns: completed, the OOMs survived (training + generation) and how many after
 completions per second over ``train()`` (sizing included), ``generate`` calls.
 
     python benchmarks/trl_grpo.py                      # the full run (many minutes on 2 cores)
+    python benchmarks/trl_grpo.py --mid                # a smaller workload, caps scaled to it
     python benchmarks/trl_grpo.py --quick              # a small model, one cap: a smoke test
     python benchmarks/trl_grpo.py --exactness          # the update against TRL's per loss_type, and TRL's own spread
 """
@@ -43,6 +44,9 @@ PRELOAD = ("torch", "_harness", "trl_grpo", "tiny_llama", "transformers", "datas
 
 FULL = {"context": 1024, "layers": 4, "hidden": 64, "words": 1000, "prompts": 256, "new": 64, "steps": 4,
         "caps": [None, 1280, 1024, 512, 256], "trl": [(4, 8), (8, 4), (16, 2), (32, 1)]}
+#: a smaller workload with caps scaled to it, for a machine where FULL's 25 fresh processes take hours
+MID = {"context": 512, "layers": 2, "hidden": 64, "words": 1000, "prompts": 256, "new": 16, "steps": 2,
+       "caps": [None, 256, 128, 64], "trl": [(4, 8), (8, 4), (32, 1)]}
 QUICK = {"context": 256, "layers": 2, "hidden": 32, "words": 200, "prompts": 32, "new": 8, "steps": 2,
          "caps": [None], "trl": [(32, 1)]}
 
@@ -55,7 +59,7 @@ def prompts(config: dict[str, Any]) -> list[str]:
 
     n, ctx = config["prompts"], config["context"]
     rng = random.Random(0)
-    lo, hi = (300, 600) if ctx >= 1024 else (ctx // 4, ctx // 2)
+    lo, hi = (300, 600) if ctx >= 1024 else (ctx // 4, ctx // 2) if ctx < 512 else (150, 300)
     long = n // 10
     counts = [max(2, min(lo - 1, round(rng.lognormvariate(0, 0.6) * 12))) for _ in range(n - long)]
     counts += [rng.randint(lo, hi) for _ in range(long)]
@@ -201,6 +205,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small model, uncapped: a smoke test")
+    p.add_argument("--mid", action="store_true", help="a 2-layer model, 150-300-word long prompts, 16 new tokens, "
+                   "2 steps, caps none,256,128,64 MiB")
     p.add_argument("--caps", type=lambda s: [None if c == "none" else int(c) for c in s.split(",")], default=None,
                    help="headrooms in MiB, 'none' for uncapped (default: none,1280,1024,512,256)")
     p.add_argument("--exactness", action="store_true", help="the gradient table per loss_type instead")
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.exactness:
         rows = exactness(["grpo", "dr_grpo", "dapo", "bnpo"])
     else:
-        config = QUICK if args.quick else FULL
+        config = QUICK if args.quick else MID if args.mid else FULL
         out = Path("/tmp/bp_trl_grpo")
         rows = run(config, args.caps or config["caps"], out, args.timeout)
         print(f"\n{datetime.date.today()} {machine()}\n")

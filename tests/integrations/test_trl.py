@@ -229,6 +229,34 @@ def test_generation_keeps_whole_groups():
         generate_by_length(model, prompts[1:], max_new_tokens=4, pad_token_id=1, group_size=4)
 
 
+def test_generation_oom_falls_back_to_whole_groups(tmp_path):
+    """TRL's one generate call runs out of memory: the step generates again in batches of whole groups, none lost."""
+    tok = tl.tokenizer()
+    model = tl.model(context=128, layers=2, hidden=32, seed=1).train()
+    original = model.generate
+    sizes: list[int] = []
+
+    def generate(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        sizes.append(ids.size(0))
+        if ids.size(0) == 8 and len(sizes) == 1:  # TRL's call for the whole generation batch, once
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB (injected by the test)")
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, max_steps=2, report_to=[], use_cpu=True, save_strategy="no",
+                      gradient_checkpointing=False, disable_tqdm=True, seed=3)
+    trainer = ResilientGRPOTrainer(model=model, reward_funcs=_reward, args=args, processing_class=tok,
+                                   train_dataset=Dataset.from_dict({"prompt": tl.texts([3, 9, 5, 7], seed=4)}))
+    trainer.train()
+    first, second = trainer.batchpilot_generation
+    assert trainer.state.global_step == 2 and first.ooms == 1 and second.ooms == 0
+    for stats in (first, second):
+        assert sum(b for b, _, _ in stats.batches) == 8 and all(b % 4 == 0 for b, _, _ in stats.batches)
+    assert first.calls == 1 + first.trials + len(first.batches)  # the failed call, the sizing trials, the batches
+
+
 @pytest.mark.slow
 def test_real_oom_under_rlimit(tmp_path):
     """A fresh process under RLIMIT_AS where TRL's asked batch runs out of memory: every step completes."""
