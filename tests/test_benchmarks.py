@@ -676,3 +676,16 @@ def test_continuous_batching_quick(tmp_path):
     assert records["transformers defaults"]["completed"] == 0
     ours = records["batchpilot"]
     assert ours["completed"] == cb.QUICK["requests"] and ours["identical"] and ours["runs"][-1][-1] == "ok", ours
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (the integrations extra)")
+def test_trl_grpo_quick(tmp_path):
+    """TRL's GRPOTrainer and batchpilot's, each in a fresh process: both complete and the table prints."""
+    out = tmp_path / "trl.json"
+    proc = run_script("trl_grpo.py", "--quick", "--json", str(out))
+    assert "| headroom | arm |" in proc.stdout
+    rows = {r["arm"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"batchpilot 32x1", "trl 32x1"} and all(r["completed"] for r in rows.values()), rows
+    assert rows["batchpilot 32x1"]["generate_calls"] >= 2 and rows["batchpilot 32x1"]["train_ooms"] == 0

@@ -79,7 +79,8 @@ class _Grads(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def _run(cls, *, loss_type: str, dtype: torch.dtype, tmp_path, steps: int = 1, beta: float = 0.0, **extra):
+def _run(cls, *, loss_type: str, dtype: torch.dtype, tmp_path, steps: int = 1, beta: float = 0.0, per_device: int = 4,
+         accum: int = 2, **extra):
     tok = tl.tokenizer()
     model = tl.model(context=128, layers=2, hidden=32, seed=1).to(dtype).train()
     if beta:  # TRL builds the reference model from the policy's path
@@ -89,7 +90,7 @@ def _run(cls, *, loss_type: str, dtype: torch.dtype, tmp_path, steps: int = 1, b
         model = LlamaForCausalLM.from_pretrained(tmp_path / "policy", dtype=dtype).train()
     prompts = tl.texts([3, 17, 6, 30, 9, 4, 22, 12], seed=5)
     args = GRPOConfig(
-        output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=per_device, gradient_accumulation_steps=accum,
         num_generations=4, max_completion_length=NEW, max_steps=steps, report_to=[], use_cpu=True, logging_steps=1,
         save_strategy="no", learning_rate=1e-2, max_grad_norm=0.0, optim="sgd", loss_type=loss_type, beta=beta, seed=7,
         gradient_checkpointing=False, disable_tqdm=True,
