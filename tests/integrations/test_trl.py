@@ -151,6 +151,14 @@ def test_same_update_as_grpo_trainer(loss_type, dtype, tmp_path):
     assert _relative_error(ours[0], theirs[0]) < BOUND[dtype]
 
 
+def test_length_sizing_same_update(tmp_path):
+    """lengths=True: the engine's searches over (batch, length) size the step first; TRL's update all the same."""
+    _, theirs = _run(GRPOTrainer, loss_type="bnpo", dtype=torch.float64, tmp_path=tmp_path)
+    trainer, ours = _run(ResilientGRPOTrainer, loss_type="bnpo", dtype=torch.float64, tmp_path=tmp_path, lengths=True)
+    assert trainer.batchpilot_last_step.micro_batch_lengths  # sized by length
+    assert _relative_error(ours[0], theirs[0]) < BOUND[torch.float64]
+
+
 def test_a_wrong_share_is_caught(tmp_path):
     """The bound is tight enough to see bnpo normalised as dapo (the check above can fail)."""
     _, bnpo = _run(GRPOTrainer, loss_type="bnpo", dtype=torch.float64, tmp_path=tmp_path)

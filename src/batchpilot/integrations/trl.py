@@ -106,6 +106,13 @@ class _Deferred:
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
 
+    # the engine's length searches snapshot the optimizer and put it back: the Trainer's, untouched by them
+    def state_dict(self) -> dict[str, Any]:
+        return self._trainer.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trainer.optimizer.load_state_dict(state)
+
 
 class _EngineTrainingStep(Trainer):
     """``Trainer.training_step`` replaced by one engine step; it sits under ``GRPOTrainer`` in the MRO.
@@ -476,9 +483,13 @@ def to_rows(inputs: dict[str, Any], *, pad_token_id: int) -> dict[str, torch.Ten
 
 def from_rows(rows: dict[str, torch.Tensor], *, pad_token_id: int) -> dict[str, torch.Tensor]:
     """Rows back in TRL's layout, padded to these rows' own longest prompt and completion."""
-    ids, mask, plen = rows["input_ids"], rows["attention_mask"], rows["prompt_lengths"]
+    ids, mask = rows["input_ids"], rows["attention_mask"]
+    # the engine's length searches cut rows shorter (to half, a quarter of the step's length): a prompt is
+    # then cut too, and its completion empty
+    total = mask.sum(1)
+    plen = torch.minimum(rows["prompt_lengths"], total)
     width = ids.size(1)
-    clen = mask.sum(1) - plen
+    clen = total - plen
     P, C = int(plen.max()), max(1, int(clen.max()))
     pc = torch.arange(P, device=ids.device)[None, :]
     psrc = pc - (P - plen)[:, None]
