@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .._checks import positive_int
+from ..core.ranks import group_size
 from ..dist.distributed import all_reduce_int
 from ..infer.generate import Generations, generate_by_length
 from ..infer.genmemory import GenerationMemory, UnverifiedShapeError
@@ -525,10 +526,8 @@ def _whole_groups(prompts: list[list[int]], size: int) -> bool:
 
 
 def _all_gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * group_size()
+    torch.distributed.all_gather_object(out, obj)
     return out
 
 
