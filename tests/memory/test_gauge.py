@@ -9,7 +9,8 @@ import torch
 
 from batchpilot.memory import gauge as gauge_mod
 from batchpilot.memory.gauge import AllocatorGauge, DeviceGauge, Gauge, HostGauge, TensorGauge, gauge_for
-from batchpilot.memory.host import HostLimits
+import batchpilot.memory.limits as limits_mod
+from batchpilot.memory.limits import HostLimits
 from batchpilot.memory.probes import emulate_capacity, emulated_capacity, get_probe, track_peak
 from batchpilot.memory.tracker import StorageTracker
 
@@ -76,7 +77,7 @@ def test_an_emulated_cuda_capacity_counts_reserved_only(monkeypatch):
 def test_cpu_gauges_tensors_under_emulation_and_host_memory_otherwise():
     cpu = torch.device("cpu")
     host = gauge_for(cpu)
-    assert isinstance(host, HostGauge) and host.kind == HostGauge._KINDS[host.binding]
+    assert isinstance(host, HostGauge) and host.kind == host.limits.limit.name
     tensors = gauge_for(cpu, emulated_capacity=4 * MiB)
     assert isinstance(tensors, TensorGauge)
     with emulate_capacity(4 * MiB):
@@ -106,10 +107,11 @@ class FakeHost:
     def __init__(self, monkeypatch, **limits) -> None:
         self.rss, self.hwm, self.vm, self.vm_peak = 300 * MiB, 300 * MiB, 900 * MiB, 950 * MiB
         self.limits = limits
-        monkeypatch.setattr(gauge_mod, "host_limits", self.host_limits)
-        monkeypatch.setattr(gauge_mod, "resident_bytes", lambda: self.rss)
-        monkeypatch.setattr(gauge_mod, "address_space_bytes", lambda: self.vm)
-        monkeypatch.setattr(gauge_mod, "address_space_peak", lambda: self.vm_peak)
+        for mod in (gauge_mod, limits_mod):  # the gauge keeps the window, the limit reads its figure
+            monkeypatch.setattr(mod, "host_limits", self.host_limits)
+            monkeypatch.setattr(mod, "resident_bytes", lambda: self.rss)
+            monkeypatch.setattr(mod, "address_space_peak", lambda: self.vm_peak)
+        monkeypatch.setattr(limits_mod, "address_space_bytes", lambda: self.vm)
         monkeypatch.setattr(gauge_mod.ResidentPeak, "reset", lambda peak: setattr(self, "hwm", self.rss))
         monkeypatch.setattr(gauge_mod.ResidentPeak, "peak", lambda peak: self.hwm)
 

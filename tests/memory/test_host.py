@@ -1,10 +1,9 @@
-"""What limits a process's memory on the host (batchpilot.memory.host), and the resident peak."""
+"""The host's memory figures (batchpilot.memory.host): cgroup paths, the resident peak, glibc's threshold."""
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot.memory.host import (
-    HostLimits, ResidentPeak, cgroup_dirs, host_limits, resident_bytes, trim_host_memory,
-)
+from batchpilot.memory.host import ResidentPeak, cgroup_dirs, trim_host_memory
 
 GiB = 2**30
 
@@ -40,24 +37,6 @@ def test_cgroup_v2_path_and_a_namespaced_mount():
     mounts = "27 22 0:24 /user.slice/job.scope /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
     assert cgroup_dirs(V2, mounts) == [(2, Path("/sys/fs/cgroup"))]
     assert cgroup_dirs("", V2_MOUNTS) == []
-
-
-def test_the_tightest_limit_binds_and_only_rlimit_as_raises():
-    limits = HostLimits(resident_bytes=1 * GiB, cgroup_limit_bytes=4 * GiB, cgroup_used_bytes=3 * GiB,
-                        rlimit_as_bytes=10 * GiB, address_space_bytes=8 * GiB, available_bytes=20 * GiB)
-    assert limits.headrooms() == {"physical": 20 * GiB, "cgroup": 1 * GiB, "rlimit_as": 2 * GiB}
-    assert limits.binding == "cgroup" and limits.kills
-    assert limits.capacity_bytes == 2 * GiB  # what it holds now plus the cgroup's headroom
-    capped = HostLimits(resident_bytes=1 * GiB, rlimit_as_bytes=3 * GiB, address_space_bytes=2 * GiB,
-                        available_bytes=20 * GiB)
-    assert capped.binding == "rlimit_as" and not capped.kills and capped.capacity_bytes == 2 * GiB
-    assert HostLimits(resident_bytes=GiB, available_bytes=5 * GiB).binding == "physical"
-
-
-def test_this_process_reads_as_a_real_host():
-    limits = host_limits()
-    assert limits.resident_bytes == pytest.approx(resident_bytes(), rel=0.1)
-    assert limits.available_bytes > 0 and limits.capacity_bytes > limits.resident_bytes
 
 
 PEAK_CHILD = """
@@ -92,16 +71,6 @@ def test_the_resident_peak_sees_a_spike_below_the_high_water_mark_and_leaves_the
     assert out["sampled"], out
     assert all(s >= 60 * 2**20 for s in out["seen"]), out  # each window saw the 64 MiB it held a moment
     assert out["after"] == out["before"], out  # VmHWM and ru_maxrss as the process left them
-
-
-def test_rlimit_as_is_read_in_a_child():
-    code = (
-        "import resource; from batchpilot.memory.host import host_limits\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))\n"
-        "l = host_limits(); print(l.rlimit_as_bytes, l.headrooms()['rlimit_as'] > 0)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(8 * 2**30), "True"]
 
 
 PIN_CHILD = """

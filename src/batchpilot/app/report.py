@@ -29,10 +29,9 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
                               "strategy" | "max_trials" | "verification" (the answer did not run again
                               after the search and a smaller one did)
     steps_per_trial,
-    memory                    the figure judged: "tensors" (emulated CPU) | "address_space" (RLIMIT_AS) |
-                              "cgroup" (a container's working set) | "resident" (a CPU with neither) |
-                              "device" (CUDA: reserved + outside PyTorch) | "allocated" (MPS, XPU)
-    binding_limit             on a real CPU: "cgroup" | "rlimit_as" | "physical"; else null
+    memory                    the figure judged, the limit kind's name (batchpilot.memory.limits; docs/cli.md
+                              lists them): "tensors" (emulated CPU) | "address_space" (RLIMIT_AS) | ...
+    binding_limit             on a real CPU, the binding limit's name: "cgroup" | "rlimit_as" | ...; else null
     verified                  the answer ran again after the search, in the state it left
     base_bytes                on a real CPU, the memory in use when the search began: limit_bytes =
                               base + target x (capacity - base); null elsewhere

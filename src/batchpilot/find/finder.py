@@ -146,12 +146,12 @@ def find_batch_size(
     # called inside the caller's own emulate_capacity: measure against that emulation
     ambient = None if emulated else emulated_capacity(dev)
     gauge = gauge_for(dev, emulated_capacity=cfg.capacity if emulated else ambient)
-    tol = cfg.tolerance if cfg.tolerance is not None else (0.0 if gauge.kind == "tensors" else _REAL_TOLERANCE)
+    tol = cfg.tolerance if cfg.tolerance is not None else (0.0 if gauge.limit.tracked else _REAL_TOLERANCE)
     started = time.perf_counter()
     compiles = CompileCounter()
     compiled = is_compiled(*targets)
     # a tracker (an emulated CPU capacity) runs compiled code eagerly: batchpilot.core.compiled
-    run_compiled = compiled and gauge.kind != "tensors"
+    run_compiled = compiled and not gauge.limit.tracked
     # on a host the tensors are modelled from two tiny trials (a tracker cannot see inside compiled
     # code, and ranks in lockstep must not each follow a model of their own)
     modelled = gauge.host and not run_compiled and lockstep is None
@@ -188,11 +188,11 @@ def find_batch_size(
                 policy.name, gauge.kind, format_bytes(space.limit_bytes),
                 f"{100 * cfg.target:.0f}% of {format_bytes(cap)}" if base is None else
                 f"{format_bytes(base)} in use + {100 * cfg.target:.0f}% of the {format_bytes(cap - base)} left",
-                f", bound by {gauge.limits.binding}" if gauge.host else "")
+                f", bound by {gauge.limit.binding}" if gauge.limit.binding else "")
             logger.info("finding the batch size on %s: %s", dev, header)
             shown.note(f"  {header}")
             if gauge.host:
-                _warn_host_share(space, cfg, gauge.limits.binding)
+                _warn_host_share(space, cfg, gauge.limit.binding)
             trial_fn = _TrialRunner(step, dev, gauge, cfg.steps_per_trial, targets, snap, lockstep,
                                     breakdown=not run_compiled, timed_steps=cfg.timed_steps, model=modelled,
                                     on_start=lambda b: shown.start(f"batch {b}"))
@@ -202,7 +202,7 @@ def find_batch_size(
                 shown.done(trial_line(t, trial_fn.space.limit_bytes))
 
             trial_fn.space = space
-            learner = _CapacityLearner(cfg.target, estimated=gauge.host and gauge.binding != "rlimit_as", base=base)
+            learner = _CapacityLearner(cfg.target, estimated=gauge.limit.estimated, base=base)
             revise = lambda sp, t: _trial_space(trial_fn, trial_fn.modelled(learner(sp, t) or sp, t))  # noqa: E731
             if run_compiled:
                 warm_up(step, floor, device=dev, after=snap.restore)  # compile before anything is measured
@@ -237,7 +237,7 @@ def find_batch_size(
         fit=None if line is None else MemoryFit(fixed_bytes=line[0], bytes_per_sample=line[1]),
         seconds=time.perf_counter() - started, stop_reason=stop_reason,
         steps_per_trial=cfg.steps_per_trial, first_guess=cfg.first_guess, memory=gauge.kind,
-        tensor_fit=tensor_line, binding_limit=gauge.limits.binding if gauge.host else None,
+        tensor_fit=tensor_line, binding_limit=gauge.limit.binding,
         snapshot_bytes=snap.nbytes, snapshot_seconds=snap.seconds, snapshot_on_disk=spill,
         compiled=compiled, compiled_trials=run_compiled, compilations=compiles.count,
         objective=cfg.objective, speed_tolerance=cfg.speed_tolerance, largest_fitting=largest,
@@ -370,7 +370,7 @@ def _verify(answer: int, runner: _TrialRunner, learner: _CapacityLearner, report
     the failure shows -- and runs that size, until one fits.
     """
     trials = list(runner.done)
-    if runner.gauge.kind == "tensors" or not _doubtful(answer, trials, runner.space, tolerance):
+    if runner.gauge.limit.tracked or not _doubtful(answer, trials, runner.space, tolerance):
         return _Checked(answer, [])
     free_memory(runner.device)  # a caching allocator's blocks go back first: the state training starts from
     done: list[Trial] = []
@@ -450,12 +450,8 @@ _KILL_MARGIN = 0.02
 def _spill(choice: str, gauge: Gauge, targets: list[Any]) -> bool:
     if choice != "auto":
         return choice == "disk"
-    if not gauge.host:
-        return False  # an accelerator's snapshot is host memory; an emulated CPU's is untracked
-    if gauge.limits.binding == "rlimit_as":
-        # a file mapped back in costs address space too, and right after a trial at the boundary
-        # there may be none: under RLIMIT_AS the copies stay where they are
-        return False
+    if not gauge.limit.spills:
+        return False  # a file would not leave the figure more room (Limit.spills)
     # the share of what the job may still grow into, not of the whole process
     return StateSnapshot.objects_nbytes(targets) >= _SPILL_SHARE * max(1, gauge.capacity() - gauge.current())
 
@@ -650,12 +646,12 @@ class _TrialRunner:
             free_memory(self.device, generation=1)
         began = time.perf_counter()
         retries = self.gauge.alloc_retries()
-        if self.gauge.kind == "tensors":
+        if self.gauge.limit.tracked:
             active_tracker(self.device).forget_host_views()  # each trial pays for its own slice of host data
         self.gauge.reset()
         # real memory keeps part of a step's memory resident (allocator caches) into the next,
         # so what is in use before the first step is the floor; the tracker's is exact per step
-        base = None if self.gauge.kind == "tensors" else int(self.gauge.current())
+        base = None if self.gauge.limit.tracked else int(self.gauge.current())
         peaks: list[int] = []
 
         def put_back(oom: bool = True) -> None:
@@ -675,7 +671,7 @@ class _TrialRunner:
             self.lockstep.begin()
         # the restore runs after the OOM's traceback is gone, before memory is released
         # not an OOM: the step's own error leaves with its type and _user_step's note (the search restores)
-        with _gc_paused(self.gauge.kind == "tensors"):
+        with _gc_paused(self.gauge.limit.tracked):
             outcome = attempt(run, device=self.device, on_oom=put_back)
         if not outcome.oom:
             put_back(oom=False)
@@ -689,7 +685,7 @@ class _TrialRunner:
         tensor_bytes = int(m.peak_bytes) if real and m is not None else None
         if outcome.oom:
             kind = OOM
-            bound = _oom_bound(peak, outcome, address_space=self.gauge.kind == "address_space")
+            bound = self.gauge.limit.oom_bound(outcome)
             peak_bytes = bound if bound is not None else peak
         else:
             kind = FIT if peak <= self.space.limit_bytes else OVER_TARGET
@@ -833,28 +829,6 @@ class _TrialRunner:
                         st = g.untyped_storage()
                         grads[id(st)] = st.nbytes()
         return max(0, int(self.gauge.current()) - sum(grads.values()))
-
-
-def _oom_bound(peak: int, outcome: Any, *, address_space: bool = False) -> int | None:
-    """What an OOM proves the step needed, in the gauge's figure; ``None`` when its message is silent.
-
-    The allocator's own figures where it states them (:attr:`~batchpilot.memory.oom.OOMReport.min_peak_bytes`:
-    the process's device memory plus the request on CUDA, the live bytes plus the request under
-    emulation). A CPU allocator states only the request; under ``RLIMIT_AS``, where the gauge
-    counts the address space it ran out of, the bound is what was mapped when it failed plus
-    that request. Elsewhere on a CPU an OOM only brackets the search.
-    """
-    report = getattr(outcome, "report", None)
-    if report is None or report.min_peak_bytes is None:
-        return None
-    if report.backend != "cpu" and report.peak_basis == "request":
-        return None  # a request alone bounds nothing: what the process held is not stated
-    if report.backend == "cpu":
-        mapped = getattr(outcome, "mapped_bytes", None)
-        if address_space and report.requested_bytes and mapped is not None:
-            return mapped + report.requested_bytes
-        return None
-    return int(report.min_peak_bytes)
 
 
 @contextlib.contextmanager

@@ -329,7 +329,7 @@ def _plan_seed(
     limit = int(cfg.target * cap)
     accounting = _cuda_accounting(device) if device.type == "cuda" else None
     pool = sum(accounting.block_size(n) if accounting else n for n in _pool_storage_bytes(batch, device))
-    if gauge.kind != "tensors":
+    if not gauge.limit.tracked:
         gauge.reset()  # a CUDA gauge reads what is outside PyTorch here
         pool = max(pool, 0) + int(gauge.current()) if gauge.host else pool + gauge.outside
     if limit <= pool:

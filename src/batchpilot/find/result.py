@@ -79,14 +79,15 @@ class BatchPlan:
             (``find_batch_size_for(..., plan_first=True)``), else ``None``.
         plan_seconds: wall time of that planning pass (also when it failed
             and the search ran unseeded); included in ``seconds``.
-        memory: the figure the trials were judged on: ``"tensors"`` (an emulated
-            capacity on CPU), ``"resident"`` (the process's real memory on CPU),
-            ``"device"`` (reserved plus outside PyTorch on CUDA) or ``"allocated"``.
+        memory: the figure the trials were judged on, the name of the kind of limit they ran
+            under (:attr:`batchpilot.memory.limits.Limit.name`; ``"tensors"``: an emulated
+            capacity, ``"device"``: CUDA, ``"address_space"``: a CPU under ``RLIMIT_AS`` ...).
         tensor_fit: on a real CPU, the line of the tensor bytes alone at the answer (from the
             exact tensor model of the two tiny trials); ``fit`` minus it is the rest (allocator,
             kernel scratch, the runtime).
-        binding_limit: on a real CPU, the limit that set the capacity: ``"cgroup"``,
-            ``"rlimit_as"`` or ``"physical"``; else ``None``.
+        binding_limit: on a real CPU, the limit that set the capacity
+            (:attr:`batchpilot.memory.limits.Limit.binding`: ``"cgroup"``, ``"rlimit_as"``,
+            ``"physical"`` ...); else ``None``.
         refused: trials not run because their predicted peak was over a limit past which
             the process is killed (counted in ``trials``, outcome ``"refused"``).
         snapshot_bytes, snapshot_seconds, snapshot_on_disk: what the ``restore=`` snapshot

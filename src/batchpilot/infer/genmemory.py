@@ -174,7 +174,7 @@ class GenerationMemory:
             of the headroom, as the finder's).
         start_bytes: the figure before the first trial (the weights and whatever else lives).
         capacity_bytes: the capacity it was fitted against.
-        memory: the figure's kind (``"tensors"``, ``"device"``, ``"address_space"`` ...).
+        memory: the figure's name (:attr:`batchpilot.memory.limits.Limit.name`).
         verified: ``{(P, N): batch}``: the largest batch a trial ran within the limit there.
         trials: every trial, in order.
     """
@@ -522,7 +522,7 @@ class MemoryRoom:
     @property
     def exact(self) -> bool:
         """The failing figure is the tensor bytes themselves (an emulated CPU capacity)."""
-        return self.gauge.kind == "tensors"
+        return self.gauge.limit.tracked
 
     @property
     def room_bytes(self) -> int:

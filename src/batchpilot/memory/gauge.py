@@ -6,7 +6,7 @@ The figure a decision is made on is the one that fails on the device (:func:`gau
   on CPU (:class:`TensorGauge`), or the caching allocator's reserved bytes under a CUDA memory
   fraction (:class:`DeviceGauge`);
 * a real CPU: the figure the binding host limit counts (:class:`HostGauge`,
-  :mod:`batchpilot.memory.host`): the address space under ``RLIMIT_AS``, the container's charge
+  :mod:`batchpilot.memory.limits`): the address space under ``RLIMIT_AS``, the container's charge
   under a memory cgroup, the resident set against the available RAM without either;
 * a real CUDA / HIP device: reserved memory plus everything outside PyTorch (the context,
   other processes) against the device's total, which is what ``cudaMalloc`` runs out of;
@@ -15,7 +15,8 @@ The figure a decision is made on is the one that fails on the device (:func:`gau
 :class:`AllocatorGauge` is the plain "allocated bytes" figure of any device, the one
 :func:`~batchpilot.memory.probes.track_peak` measures a region with and
 :func:`~batchpilot.memory.probes.get_probe` returns. The finder and the engine measure through a
-gauge, so every place that sizes a batch agrees on what "fits" means.
+gauge, so every place that sizes a batch agrees on what "fits" means; what follows from the
+figure (is the capacity exact, does going over it kill, what an OOM bounds) is its ``limit``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .host import ResidentPeak, address_space_bytes, address_space_peak, host_limits, resident_bytes
+from .host import ResidentPeak, address_space_peak, resident_bytes
+from .limits import ALLOCATED, DEVICE, TENSORS, Limit, host_limits
 from .tracker import active_tracker
 
 __all__ = ["Gauge", "TensorGauge", "HostGauge", "DeviceGauge", "AllocatorGauge", "gauge_for"]
@@ -34,15 +36,26 @@ class Gauge:
     """One figure of a device's memory: in use now, its peak since :meth:`reset`, and the capacity.
 
     Attributes:
-        kind: ``"tensors"``, ``"address_space"``, ``"cgroup"``, ``"resident"``, ``"device"`` or
-            ``"allocated"`` (for reports).
-        kills: going over the capacity kills the process instead of raising (a container).
+        limit: the kind of limit the figure is judged against (:mod:`batchpilot.memory.limits`):
+            it says whether the capacity is exact, whether going over it kills, what an OOM bounds.
     """
 
-    kind = "allocated"
-    kills = False
-    #: the figure is the host process's real memory (then ``limits`` says what limits it)
-    host = False
+    limit: Limit = ALLOCATED
+
+    @property
+    def kind(self) -> str:
+        """The figure's name for reports: the limit's :attr:`~batchpilot.memory.limits.Limit.name`."""
+        return self.limit.name
+
+    @property
+    def kills(self) -> bool:
+        """Going over the capacity kills the process instead of raising (a container)."""
+        return self.limit.kills
+
+    @property
+    def host(self) -> bool:
+        """The figure is the host process's real memory (then ``limits`` says what limits it)."""
+        return self.limit.host
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -84,7 +97,7 @@ class Gauge:
 class TensorGauge(Gauge):
     """Tensor bytes of the running :class:`~batchpilot.memory.tracker.StorageTracker` (CPU emulation)."""
 
-    kind = "tensors"
+    limit = TENSORS
 
     def _tracker(self):  # noqa: ANN202
         tr = active_tracker(self.device)
@@ -109,31 +122,23 @@ class TensorGauge(Gauge):
 class HostGauge(Gauge):
     """A real CPU: the figure that the limit binding this process counts, against that limit.
 
-    * ``RLIMIT_AS`` (``kind="address_space"``): the mapped address space (``VmSize``), which is
-      what an allocation past the limit fails on -- freed heap that glibc keeps mapped, JIT code
-      and thread arenas included, resident or not.
-    * a memory cgroup (``"cgroup"``): the container's working set (its charge less the page cache
-      the kernel reclaims before it kills), others' processes included.
-    * neither (``"resident"``): this process's resident set against what it holds plus the
-      available RAM.
+    The binding limit is the :class:`~batchpilot.memory.limits.HostLimit` with the least headroom
+    when the gauge is made (:attr:`HostLimits.limit <batchpilot.memory.limits.HostLimits.limit>`):
+    the address space under ``RLIMIT_AS``, a container's working set, the resident set against the
+    available RAM, or a kind added with :func:`~batchpilot.memory.limits.register`. The limit reads
+    its figure and its size; the gauge keeps the peak window. Linux keeps a resettable high-water
+    mark of the resident set only, from which each kind works out its own figure's peak
+    (:meth:`~batchpilot.memory.limits.HostLimit.window_peak`).
 
-    Peaks: Linux keeps a resettable high-water mark of the resident set only. Under ``RLIMIT_AS``
-    the kernel's peak of the address space (``VmPeak``, not resettable) is exact whenever a
-    window rises above every earlier one; otherwise the window's peak is its starting address
-    space plus its resident growth (new memory is mapped and written together), never above
-    ``VmPeak``. In a cgroup the working set's peak is its start plus this process's resident
-    growth. The binding limit is the one with the least headroom when the gauge is made.
+    Attributes:
+        limits: the host's limits as last read (at creation and at each :meth:`capacity`).
     """
-
-    host = True
-    _KINDS = {"rlimit_as": "address_space", "cgroup": "cgroup", "physical": "resident"}
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self._peak = ResidentPeak()
         self.limits = host_limits()
-        self.binding = self.limits.binding
-        self.kind = self._KINDS[self.binding]
+        self.limit = self.limits.limit
         self._start: tuple[int, int, int] | None = None  # (figure, resident, VmPeak) at reset
 
     @property
@@ -142,35 +147,18 @@ class HostGauge(Gauge):
 
     def capacity(self) -> int:
         self.limits = lim = host_limits()
-        if self.binding == "rlimit_as" and lim.rlimit_as_bytes is not None:
-            return lim.rlimit_as_bytes
-        if self.binding == "cgroup" and lim.cgroup_limit_bytes is not None:
-            return lim.cgroup_limit_bytes
-        return lim.resident_bytes + max(0, lim.available_bytes)
+        now = self.limit.reading(lim)
+        return now[0] if now is not None else lim.resident_bytes + max(0, lim.available_bytes)
 
     def current(self) -> int:
-        if self.binding == "rlimit_as":
-            vm = address_space_bytes()
-            if vm is not None:
-                return vm
-        elif self.binding == "cgroup":
-            used = host_limits().cgroup_used_bytes
-            if used is not None:
-                return used
-        return resident_bytes()
+        figure = self.limit.figure()
+        return figure if figure is not None else resident_bytes()
 
     def peak(self) -> int:
         hwm = self._peak.peak()
-        if self.kind == "resident" or self._start is None:
+        if self._start is None:
             return hwm
-        figure, rss, vm_peak = self._start
-        grown = figure + max(0, hwm - rss)
-        if self.binding == "rlimit_as":
-            now_peak = address_space_peak()
-            if now_peak is not None and now_peak > vm_peak:
-                return now_peak  # the window rose above every earlier peak: the kernel's figure is exact
-            grown = min(grown, vm_peak) if vm_peak else grown
-        return max(grown, self.current())
+        return self.limit.window_peak(hwm, self._start, self.current())
 
     def reset(self) -> None:
         self._peak.reset()
@@ -190,7 +178,7 @@ class DeviceGauge(Gauge):
     allocator refuses past ``fraction × total`` of *reserved* memory, so only that counts.
     """
 
-    kind = "device"
+    limit = DEVICE
 
     def __init__(self, device: torch.device, emulated_capacity: int | None = None) -> None:
         super().__init__(device)
@@ -233,7 +221,7 @@ class AllocatorGauge(Gauge):
     * a CPU: the tensor bytes of the running :class:`~batchpilot.memory.tracker.StorageTracker`
       (exact), and outside one the process's resident set (approximate), against what the
       tightest host limit lets the process reach (:attr:`HostLimits.capacity_bytes
-      <batchpilot.memory.host.HostLimits.capacity_bytes>`).
+      <batchpilot.memory.limits.HostLimits.capacity_bytes>`).
 
     The finder decides on this figure on MPS and XPU (:func:`gauge_for`); on every device it is
     what :func:`~batchpilot.memory.probes.track_peak` reports.

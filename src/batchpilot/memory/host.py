@@ -4,7 +4,8 @@ On a CPU the memory that runs out is the process's resident set, and what limits
 smallest of: the memory cgroup it lives in (a container's limit, ancestors included; past it the
 kernel kills the process, it does not raise), its ``RLIMIT_AS`` (past it an allocation fails
 and PyTorch raises), and the RAM the machine has available. Linux only; elsewhere the figures
-fall back to ``getrusage`` and the physical memory, and no limit is found.
+fall back to ``getrusage`` and the physical memory, and no limit is found. This module reads the
+figures; :mod:`batchpilot.memory.limits` says which limit binds and what follows from it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 try:
@@ -27,8 +27,9 @@ except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
 __all__ = [
-    "HostLimits", "host_limits", "rlimit_as_bytes", "cgroup_dirs", "resident_bytes", "address_space_bytes", "address_space_peak",
-    "ResidentPeak", "physical_bytes", "trim_host_memory", "pin_malloc_threshold", "malloc_threshold_pinned",
+    "rlimit_as_bytes", "cgroup_dirs", "cgroup_limit_and_use", "available_bytes", "resident_bytes", "address_space_bytes",
+    "address_space_peak", "ResidentPeak", "physical_bytes", "trim_host_memory", "pin_malloc_threshold",
+    "malloc_threshold_pinned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -242,54 +243,6 @@ def _end_sampler(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@dataclass(frozen=True, kw_only=True)
-class HostLimits:
-    """What limits this process's memory, read at one moment.
-
-    Attributes:
-        resident_bytes: this process's resident set now.
-        cgroup_limit_bytes: the smallest memory limit of this process's cgroup and its
-            ancestors (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), or ``None``.
-        cgroup_used_bytes: that cgroup's working set (usage less inactive page cache, which the
-            kernel reclaims before it kills), this process included.
-        rlimit_as_bytes: the soft ``RLIMIT_AS``, or ``None`` when unlimited.
-        address_space_bytes: this process's mapped address space now (``VmSize``).
-        available_bytes: the machine's ``MemAvailable``.
-    """
-
-    resident_bytes: int
-    cgroup_limit_bytes: int | None = None
-    cgroup_used_bytes: int | None = None
-    rlimit_as_bytes: int | None = None
-    address_space_bytes: int | None = None
-    available_bytes: int = 0
-
-    def headrooms(self) -> dict[str, int]:
-        """How much more this process can hold before each limit, by name."""
-        room = {"physical": self.available_bytes}
-        if self.cgroup_limit_bytes is not None:
-            room["cgroup"] = self.cgroup_limit_bytes - (self.cgroup_used_bytes or self.resident_bytes)
-        if self.rlimit_as_bytes is not None and self.address_space_bytes is not None:
-            room["rlimit_as"] = self.rlimit_as_bytes - self.address_space_bytes
-        return room
-
-    @property
-    def binding(self) -> str:
-        """The limit that binds first: ``"cgroup"``, ``"rlimit_as"`` or ``"physical"``."""
-        room = self.headrooms()
-        return min(room, key=room.__getitem__)
-
-    @property
-    def capacity_bytes(self) -> int:
-        """The resident size this process can reach: what it holds now plus the tightest headroom."""
-        return self.resident_bytes + max(0, min(self.headrooms().values()))
-
-    @property
-    def kills(self) -> bool:
-        """True when going over the binding limit kills the process rather than raising."""
-        return self.binding != "rlimit_as"
-
-
 def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[tuple[int, Path]]:
     """``(version, directory)`` of a process's memory cgroup and its ancestors, innermost first.
 
@@ -336,7 +289,7 @@ def _cgroup_dirs() -> list[tuple[int, Path]]:
     return [] if own is None or mounts is None else cgroup_dirs(own, mounts)
 
 
-def _cgroup_limit_and_use() -> tuple[int | None, int | None]:
+def cgroup_limit_and_use() -> tuple[int | None, int | None]:
     """The tightest limit among this process's memory cgroups, and the working set of that cgroup."""
     best: tuple[int, int | None] | None = None
     for version, d in _cgroup_dirs():
@@ -363,7 +316,8 @@ def _cgroup_limit_and_use() -> tuple[int | None, int | None]:
     return (None, None) if best is None else best
 
 
-def _available() -> int:
+def available_bytes() -> int:
+    """The machine's ``MemAvailable`` (the physical memory where ``/proc/meminfo`` is missing)."""
     text = _read("/proc/meminfo")
     if text is not None:
         for line in text.splitlines():
@@ -380,16 +334,6 @@ def rlimit_as_bytes() -> int | None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def host_limits() -> HostLimits:
-    """What limits this process's memory now (a handful of small file reads)."""
-    limit, used = _cgroup_limit_and_use()
-    rlimit = rlimit_as_bytes()
-    return HostLimits(
-        resident_bytes=resident_bytes(), cgroup_limit_bytes=limit, cgroup_used_bytes=used,
-        rlimit_as_bytes=rlimit, address_space_bytes=address_space_bytes(), available_bytes=_available(),
-    )
 
 
 _libc = None

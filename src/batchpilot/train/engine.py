@@ -167,9 +167,9 @@ class StepResult:
             sync and the optimizer step, in the figure ``memory`` names.
         measured: ``peak_bytes`` is the figure the engine decides on (always, now that real
             memory is measured on every device).
-        memory: that figure: ``"tensors"`` (CPU inside a storage tracker or emulated
-            capacity), ``"resident"`` (the process's real memory on CPU), ``"device"``
-            (CUDA reserved plus memory outside PyTorch) or ``"allocated"`` (MPS, XPU).
+        memory: that figure's name, the kind of limit the step ran under
+            (:attr:`batchpilot.memory.limits.Limit.name`: ``"tensors"`` inside a storage
+            tracker or emulated capacity, ``"resident"`` on a CPU's real memory ...).
         seconds: wall time of the step (host time; the device may still be running).
         skipped: the optimizer step was skipped (see ``skip_reason``); the scheduler did not step.
         skip_reason: ``None``; ``"inf"``: fp16's ``GradScaler`` found inf/NaN gradients;
