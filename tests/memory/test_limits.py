@@ -82,10 +82,10 @@ def test_what_an_oom_bounds_depends_on_the_limit():
     # elsewhere a CPU allocator's request alone says nothing about what the process held
     assert RESIDENT.oom_bound(failed) is None and CGROUP.oom_bound(failed) is None
     assert ADDRESS_SPACE.oom_bound(SimpleNamespace(report=cpu, mapped_bytes=None)) is None
-    emulated = parse_oom_message("CPU out of memory (emulated capacity 2.00 MiB): tried to allocate 1.00 MiB "
-                                 "with 1.50 MiB live")
-    if emulated is not None and emulated.min_peak_bytes is not None:
-        assert TENSORS.oom_bound(SimpleNamespace(report=emulated)) == emulated.min_peak_bytes
+    emulated = parse_oom_message("batchpilot emulated capacity exceeded on cpu: tried to allocate 4.00 MiB "
+                                 "(4194304 bytes) in aten.mm.default with 1048577 bytes live; capacity 4.50 MiB "
+                                 "(4718592 bytes)")
+    assert TENSORS.oom_bound(SimpleNamespace(report=emulated)) == 5 * MiB + 1  # live plus the request, exact
     assert TENSORS.oom_bound(SimpleNamespace(report=None)) is None
 
 
