@@ -156,3 +156,6 @@ def test_a_kind_defined_here_binds_and_the_finder_and_reports_follow_it(add_budg
     record = plan_record(plan)  # what `batchpilot find --json` writes
     assert record["memory"] == "budget" and record["binding_limit"] == "test_budget"
     assert plan.to_dict()["memory"] == "budget"
+    # the summary says the limit in the kind's own words, and what would raise it on a host
+    assert "of a test's budget on the resident set: " in plan.limit_text() and "the test_budget limit leaves" in str(plan)
+    assert "more memory for the process" in plan.to_raise()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from ..memory.limits import limit_named
 from ..memory.units import format_bytes
 from ..policy.search import FIT, OOM, OVER_TARGET, REFUSED, Trial
 from ..policy.speed import SPEED_TOLERANCE, TimeFit, timed_fits
@@ -12,17 +13,10 @@ from .options import option_default
 
 __all__ = ["MemoryFit", "BatchPlan", "trial_line", "figure_name"]
 
-#: the figure each ``memory`` kind measures, for summaries
-_FIGURES = {
-    "tensors": "tensor bytes (emulated capacity)", "resident": "resident memory", "address_space": "address space",
-    "cgroup": "the container's memory", "device": "device memory (reserved + outside PyTorch)",
-    "allocated": "allocated memory",
-}
-
-
 def figure_name(memory: str) -> str:
     """The figure a ``memory`` kind (``"tensors"``, ``"resident"``, ``"device"``...) measures, in words."""
-    return _FIGURES.get(memory, f"{memory} memory")
+    kind = limit_named(memory)
+    return kind.label if kind is not None else f"{memory} memory"
 
 
 def trial_line(t: Trial, limit_bytes: int) -> str:
@@ -237,8 +231,8 @@ class BatchPlan:
         if room is not None and room > self.batch_size:
             hints.append(f"target={higher} (about {room} by the memory line)")
         hints.append("less memory per sample (mixed precision, activation checkpointing)")
-        hints.append("a larger capacity" if self.memory in ("tensors", "device", "allocated")
-                     else "more memory for the process")
+        kind = limit_named(self.memory)
+        hints.append("more memory for the process" if kind is None or kind.host else "a larger capacity")
         return "; ".join(hints)
 
     def _line_answer(self, target: float) -> int | None:

@@ -46,6 +46,7 @@ from ..find.options import FindOptions
 from ..find.result import figure_name
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
 from ..memory.host import pin_malloc_threshold
+from ..memory.limits import limit_named
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import EMULATED_DEVICES, emulate_capacity, emulated_capacity
 from ..memory.tracker import StorageTracker, active_tracker
@@ -213,7 +214,8 @@ class GenerationMemory:
 
     def _share_text(self) -> str:
         """How the limit was set: a share of the capacity, or on a host of what was left above the start."""
-        if self.memory in ("resident", "address_space", "cgroup") and self.start_bytes < self.capacity_bytes:
+        kind = limit_named(self.memory)
+        if kind is not None and kind.host and self.start_bytes < self.capacity_bytes:
             left = self.capacity_bytes - self.start_bytes
             return (f"{format_bytes(self.start_bytes)} in use + {(self.limit_bytes - self.start_bytes) / left:.0%} "
                     f"of the {format_bytes(left)} left")

@@ -34,7 +34,7 @@ from .host import (
 )
 
 __all__ = [
-    "Limit", "HostLimit", "HostLimits", "host_limits", "register", "unregister", "host_kinds",
+    "Limit", "HostLimit", "HostLimits", "host_limits", "register", "unregister", "host_kinds", "limit_named",
     "TENSORS", "DEVICE", "ALLOCATED", "ADDRESS_SPACE", "CGROUP", "RESIDENT",
 ]
 
@@ -46,7 +46,7 @@ class Limit:
     Attributes:
         name: the figure that fails under this limit, as reports name it (``"tensors"``,
             ``"device"``, ``"address_space"`` ...): ``BatchPlan.memory``, ``StepResult.memory``.
-        label: a short phrase for a report line ("the address space under RLIMIT_AS").
+        label: the figure in words, for a summary ("address space", "resident memory").
         binding: on a host, the limit's own name (``"rlimit_as"``, ``"cgroup"``, ``"physical"``):
             ``BatchPlan.binding_limit`` and :attr:`HostLimits.binding`; ``None`` off a host.
         host: the figure is the host process's real memory (its address space, resident set or
@@ -192,18 +192,18 @@ class _Resident(HostLimit):
 
 
 #: an emulated capacity: a storage tracker's tensor bytes on CPU (the emulation raises past it)
-TENSORS = Limit(name="tensors", label="tracked tensor bytes under an emulated capacity", tracked=True)
+TENSORS = Limit(name="tensors", label="tensor bytes (emulated capacity)", tracked=True)
 #: CUDA / HIP: reserved bytes plus everything outside PyTorch, what cudaMalloc runs out of
-DEVICE = Limit(name="device", label="reserved memory plus memory outside PyTorch")
+DEVICE = Limit(name="device", label="device memory (reserved + outside PyTorch)")
 #: MPS, XPU (and any device's plain figure): the allocator's allocated bytes
-ALLOCATED = Limit(name="allocated", label="the allocator's allocated bytes")
+ALLOCATED = Limit(name="allocated", label="allocated memory")
 #: RLIMIT_AS: an allocation past it fails (and raises); a file mapped back in costs address space too
-ADDRESS_SPACE = _AddressSpace(name="address_space", binding="rlimit_as", label="the address space under RLIMIT_AS")
+ADDRESS_SPACE = _AddressSpace(name="address_space", binding="rlimit_as", label="address space")
 #: a container's memory cgroup: past it the kernel kills; the working set only estimates its charge
-CGROUP = _Cgroup(name="cgroup", binding="cgroup", label="the container's working set under its memory cgroup",
+CGROUP = _Cgroup(name="cgroup", binding="cgroup", label="the container's memory",
                  estimated=True, kills=True, spills=True)
 #: no limit but the RAM: the resident set; past it the OOM killer, not an error
-RESIDENT = _Resident(name="resident", binding="physical", label="the resident set against the available RAM",
+RESIDENT = _Resident(name="resident", binding="physical", label="resident memory",
                      estimated=True, kills=True, spills=True)
 
 # in the order ties are broken: the RAM first, then a container, then RLIMIT_AS, then registered kinds
@@ -244,6 +244,11 @@ def unregister(limit: HostLimit) -> None:
     if limit in _BUILT_IN or limit not in _HOST:
         raise ValueError(f"{limit.name!r} is not a registered limit kind; only kinds added with register() go")
     _HOST.remove(limit)
+
+
+def limit_named(name: str) -> Limit | None:
+    """The kind whose :attr:`~Limit.name` is ``name`` (a plan's ``memory``), built-in or registered; ``None`` if none is."""
+    return next((kind for kind in (*_DEVICE, *_HOST) if kind.name == name), None)
 
 
 @dataclass(frozen=True, kw_only=True)
