@@ -837,8 +837,8 @@ def _gc_paused(pause: bool) -> Iterator[None]:
 
     Whether a reference cycle's tensors were freed in the middle of a step or after it depended on
     the collector's counters, which earlier work moves: the same trial then peaked higher or lower
-    by that cycle (seen under FSDP2, 0.7% at one batch size, which a fit over three lengths turned
-    into a 24% error at a fourth). With the collector paused the cycle counts until the trial ends,
+    by that cycle, and a fit over lengths magnifies such a difference (docs/internals.md). With the
+    collector paused the cycle counts until the trial ends,
     as when a step's garbage outlives it: the same trial, the same peak.
     """
     if not pause or not gc.isenabled():

@@ -84,14 +84,12 @@ _SECOND_SHARE = 0.25
 #: ... or takes every real prompt left in its band when they fit in this share by the first
 #: trial's figure, which bounds a prompt's cost from above while the memory is affine in the batch
 #: with a fixed part >= 0: the band then ends in two calls instead of three. A quarter of the room
-#: is left for a host figure's noise: on issue #26's workload the one-prompt figure read 8.2-8.9 MB
-#: where a prompt cost 7.4 (and the fixed part 0.7), and half the room put its 9 last long prompts
-#: (77-80 MB by that bound) right at the edge, two calls in one run and three in the next
+#: is left for a host figure's noise, which at half the room put a band's last prompts at the edge
+#: (measured: docs/internals.md)
 _BAND_SHARE = 0.75
 #: a batch pads no prompt to more than this many times its length, unless by no more than
-#: max_new_tokens (whose steps cost alike): every decoding step attends over the padding too. On a
-#: 4-layer Llama on CPU (benchmarks/lm_eval_side_by_side.py) 190 prompts of 10-207 tokens in one
-#: batch padded to 207 took 1.9x the time of the batches cut at each halving of the length
+#: max_new_tokens (whose steps cost alike): every decoding step attends over the padding too
+#: (its cost measured: docs/internals.md)
 MAX_PADDING = 2.0
 
 

@@ -243,8 +243,8 @@ class LengthScorer(Generic[R, T]):
             # lengths whose window holds two requests or more (the longest always: its search verifies it)
             usable = tuple(sorted(L for L, r in room.items() if r >= _MIN_WINDOW or L == longest))
             # down to the median request: most requests, and the largest batches, are there, and a
-            # quadratic through longer lengths alone, extrapolated down to it, once put 45 KB on a
-            # 43-token request that took 360 KB (issue #26's workload under RLIMIT_AS)
+            # quadratic through longer lengths alone, extrapolated down to it, can miss it by far
+            # (docs/internals.md)
             fitted = choose_fit_lengths(usable, down_to=ordered[n // 2])
         else:  # longer than an earlier call verified: a search there, the earlier lines kept
             fitted = (longest,)
@@ -436,10 +436,8 @@ def _margin(plans: dict[int, BatchPlan], limit: float) -> float:
     :data:`_SCATTER_MARGIN` times the largest distance of a measured trial's peak from its
     length's memory line (at most half the room above the lowest start). On exact tensor bytes that
     is about nothing; on a host's address space, where what each trial leaves or frees moves the
-    figure by 1-3 MiB, it is what a batch sized right at the limit by a line through such points
-    can exceed it by: issue #26's scorer under ``RLIMIT_AS`` with a room of 32 MiB ran a batch
-    predicted at its limit to 7.8 MiB past it, into the cap (3 of 69 fresh runs had such an OOM
-    without this margin, 1 of 74 with it).
+    figure by a few MiB, it is what a batch sized right at the limit by a line through such points
+    can exceed it by (the OOMs it prevents, measured: docs/internals.md).
     """
     worst, starts = 0.0, []
     for p in plans.values():

@@ -1,10 +1,10 @@
-"""batchpilot where people already train and evaluate: Lightning, Hugging Face ``Trainer``, Accelerate, lm-eval.
+"""batchpilot where people already train and evaluate: Lightning, Hugging Face ``Trainer``, Accelerate, lm-eval, TRL.
 
 Each integration is its own module and imports only its own framework, on first use:
 
 - :mod:`batchpilot.integrations.lightning`: ``BatchSizeCallback`` sizes the batch at fit start
   (any number of DDP ranks) and ``ResilientModule`` trains through OOMs under manual optimization;
-- :mod:`batchpilot.integrations.transformers`: ``plan_batch_size`` fills ``TrainingArguments``
+- :mod:`batchpilot.integrations.transformers`: ``configure_batch_size`` fills ``TrainingArguments``
   before the ``Trainer`` is built, and ``ResilientTrainer`` survives OOMs in training and evaluation;
   ``continuous_batching_config`` sizes ``generate_batch``'s paged cache for the memory limit that
   applies (:mod:`batchpilot.integrations.continuous`);

@@ -1,4 +1,4 @@
-"""What the three integrations share: their sizing options, the batch setup they report, imports."""
+"""What the integrations share: their sizing options, the batch setup they report, imports."""
 
 from __future__ import annotations
 

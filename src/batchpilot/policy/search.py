@@ -668,8 +668,7 @@ class PredictPolicy(SearchPolicy):
         # between the tolerance's floor and the limit; but where the limit lies within the tolerance
         # of the capacity (a target near 1), an answer above ``capacity - tolerance`` must run again
         # after the search (the finder's verification): aim below that line too, so that an answer
-        # close enough needs no rerun. At 0.99 on a 128 MiB room an aim on the limit's side of it
-        # took a rerun in half the searches, and a short first aim a refinement and a rerun (6 trials).
+        # close enough needs no rerun (what an aim on the limit's side cost: docs/internals.md)
         top = min(space.limit_bytes, space.capacity_bytes - self.rel_tolerance * room)
         aim = (space.limit_bytes - slack + max(top, space.limit_bytes - slack)) / 2
         now = trials[-1].end_bytes  # where the next trial starts: the last one's leftovers included
@@ -797,13 +796,9 @@ class PredictPolicy(SearchPolicy):
 #: the modelled search's calibration: two trials whose modelled tensors differ by this share of the
 #: room tell the real bytes per tensor byte; a probe trial grows the tensors by ``_PROBE`` of the room,
 #: and by at least ``_PROBE_BYTES`` (at most ``_SMALL_PROBE`` of the room) in a smaller room. What each
-#: trial leaves or frees (1-2 MiB of glibc arenas and oneDNN code) is a larger share of a small probe's
-#: growth, and the aim extrapolates that error. Measured on the reference transformer under RLIMIT_AS
-#: + 256 MiB at 0.99 (glibc's threshold fixed), 20 fresh runs each: a 64 MiB probe (a trial at 126
-#: samples) aimed +1.8 MiB over the target on average and took 6 trials in 1 run of 20 (the step
-#: down then the verification); a 128 MiB probe (at 246) landed -3.7 MiB under it (the target's own margin
-#: -3.85), 4 trials in 19 runs, 5 in one. Real bytes per tensor byte measured 1.0-1.1 on the
-#: reference models (oneDNN on), so half the room stays far from the limit.
+#: trial leaves or frees (glibc arenas, oneDNN code) is a larger share of a small probe's growth, and
+#: the aim extrapolates that error. Real bytes per tensor byte are close to 1, so half the room stays
+#: far from the limit (the measurements: docs/internals.md).
 _CALIBRATION = 0.05
 _PROBE = 0.1
 _SMALL_PROBE, _PROBE_BYTES = 0.5, 128 * 2**20

@@ -165,8 +165,8 @@ class StepResult:
         ooms: OOMs retried within this step (on any rank).
         peak_bytes: peak memory of the step on this rank: the successful attempt, the gradient
             sync and the optimizer step, in the figure ``memory`` names.
-        measured: ``peak_bytes`` is the figure the engine decides on (always, now that real
-            memory is measured on every device).
+        measured: ``peak_bytes`` is the figure the engine decides on (always: every device's
+            figure is measured).
         memory: that figure's name, the kind of limit the step ran under
             (:attr:`batchpilot.memory.limits.Limit.name`: ``"tensors"`` inside a storage
             tracker or emulated capacity, ``"resident"`` on a CPU's real memory ...).
@@ -547,7 +547,7 @@ class Engine:
             samples=n,
             ooms=ooms,
             peak_bytes=int(peak),
-            measured=True,  # every device has a real figure now (see StepResult.memory)
+            measured=True,  # every device has a real figure (see StepResult.memory)
             memory=probe.kind,
             seconds=time.perf_counter() - t0,
             skipped=skip_reason is not None,
