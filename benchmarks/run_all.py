@@ -41,7 +41,6 @@ KNOWN = (
     Script("fsdp_overhead", quick=("--quick",), json_flag=False),
     Script("peers", quick=("--quick",)),
     Script("speed", quick=("--quick",)),
-    Script("split_busy", quick=("--quick",)),
     Script("integrations", quick=("--quick",)),
     Script("gpu_validate", quick=("--small",)),
     Script("compiled", quick=("--quick",)),
@@ -54,6 +53,7 @@ KNOWN = (
     Script("fsdp_faults", quick=("--launches", "2")),
     Script("fsdp_length_model"),
     Script("left_behind", quick=("--models", "transformer", "--cap-mib", "256")),
+    Script("split_busy", quick=("--quick",)),
 )
 
 
