@@ -209,7 +209,7 @@ def quiet_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
 
 def run_busy(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    runs = list(range(1, args.runs + 1))
+    runs = list(range(args.first_run, args.first_run + args.runs))
     outputs: dict[int, str] = {}
     for start in range(0, len(runs), args.parallel):
         procs = {}
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="steps per engine per busy run (default 8)")
     p.add_argument("--longest", type=int, default=32, help="longest sequence of the busy batches (default 32)")
     p.add_argument("--capacity", default="256MiB", help="the busy search's emulated capacity (default 256MiB)")
+    p.add_argument("--first-run", type=int, default=1, help="the first busy run's number, its seed (default 1)")
     p.add_argument("--parallel", type=int, default=1,
                    help="busy runs at once (default 1); more shares the machine among them as a co-tenant does")
     p.add_argument("--cotenant", type=Path, default=None, help="cotenant.py to run beside the busy runs")
