@@ -210,6 +210,7 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         self.batchpilot_generation_memory: GenerationMemory | None = None
         self.batchpilot_scoring_ooms = 0
         self._bp_score_rows: int | None = None
+        self._bp_tokens: int | None = None  # rows × width of the widest training micro-batch known to run
         self._bp_share = LOSS_SHARES[targs.loss_type]
 
     # ------------------------------------------------------------------ checks
@@ -364,10 +365,32 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         rows = self._batchpilot_rows(prepared)
         del prepared
         engine = self._batchpilot_engine(model)
+        width = int(rows["attention_mask"].sum(1).max())  # the longest row: the first micro-batch's width
+        if not self._bp_lengths:
+            self._batchpilot_presize(engine, width)
         result = engine.step(rows)
+        # the tokens of the widest micro-batch that ran: raised by a clean step, set by one that ran out of memory
+        ran = max(result.micro_batch_sizes) * width
+        self._bp_tokens = ran if result.ooms or self._bp_tokens is None else max(self._bp_tokens, ran)
         self.batchpilot_last_step = result
         self.batchpilot_step_ooms.append(result.ooms)
         return result.loss_tensor
+
+    def _batchpilot_presize(self, engine: Engine, width: int) -> None:
+        """The micro-batch for a step whose longest row is ``width`` tokens: as many rows as the token budget allows.
+
+        A GRPO step's length is known only after generation, and one long prompt makes it several
+        times wider than the step before: the micro-batch that ran then would run out of memory now.
+        Rows are sorted longest first, so the first micro-batch is the widest; its rows × width
+        scales with memory (linearly in tokens; attention's quadratic part makes a longer step
+        cost a little more, which an OOM then corrects).
+        """
+        if self._bp_tokens is None or engine.micro_batch_size is None:
+            return  # the first step starts at the configured micro-batch
+        want = max(1, min(self._rows_per_step, self._bp_tokens // width))
+        if want != engine.micro_batch_size:
+            engine.batcher.size_for(want, f"{want} rows of up to {width} tokens: the {self._bp_tokens}-token "
+                                    "budget of the widest micro-batch that ran", self._rows_per_step)
 
     def _batchpilot_engine(self, model: nn.Module) -> Engine:
         engine = self.batchpilot_engine
