@@ -30,6 +30,7 @@ from ..dist.distributed import find_batch_size_distributed
 from ..find.front import find_batch_size_for
 from ..find.options import FindOptions
 from ..memory.oom import attempt, free_memory
+from ..policy.microbatch import accum_steps, balanced_sizes
 from ..train.batching import scale_lr
 from ..train.engine import Engine, EngineConfig, StepResult
 from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
@@ -205,6 +206,14 @@ class _Deferred:
         pass
 
 
+def _counted(sizes: list[int]) -> str:
+    """Micro-batch sizes as a reader counts them: ``10 x 10``, or ``22 x 15 + 13 x 14``."""
+    counts: dict[int, int] = {}
+    for size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return " + ".join(f"{n} x {size}" for size, n in sorted(counts.items(), reverse=True))
+
+
 class ResilientTrainerMixin:
     """A ``Trainer`` mixin whose training and evaluation survive out-of-memory errors.
 
@@ -250,11 +259,15 @@ class ResilientTrainerMixin:
         if "lomo" in str(targs.optim).lower():
             raise ValueError(f"{who} cannot run LOMO optimizers: they step inside the backward")
         self._batchpilot_micro = _first_micro_batch(targs)
-        if self._batchpilot_micro != targs.per_device_train_batch_size:
-            logger.info("%s: micro-batches of at most %d (configure_batch_size's answer), not the arguments' %d: the "
-                        "engine cuts each per-device batch of %d into the fewest that fit, equal or not", who,
-                        self._batchpilot_micro, targs.per_device_train_batch_size,
-                        targs.per_device_train_batch_size * targs.gradient_accumulation_steps)
+        per_step = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
+        runs = _counted(balanced_sizes(per_step, accum_steps(per_step, self._batchpilot_micro)))
+        asked = _counted([targs.per_device_train_batch_size] * targs.gradient_accumulation_steps)
+        if runs != asked:
+            # what the engine runs, said in the arguments' terms: the fewest micro-batches of at most
+            # configure_batch_size's answer, balanced, where the arguments can only say equal ones
+            logger.info("%s: each per-device batch of %d runs as %s, not the arguments' %s (micro-batches of at "
+                        "most %d, configure_batch_size's answer, the fewest that fit)", who, per_step, runs, asked,
+                        self._batchpilot_micro)
         # One optimizer step's batch in one piece, on a copy: the caller's arguments are untouched.
         # After the Trainer's own set-up, so that any Trainer subclass's signature is kept.
         merged = copy.copy(targs)
