@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +174,24 @@ def test_two_processes_agree_on_the_smaller_ranks_batch_and_hold_the_global_batc
     # every optimizer step saw the whole global batch: 128 samples on each of the two ranks
     assert r0["samples_per_step_this_rank"] == r1["samples_per_step_this_rank"] == [128] * 3
     assert r0["optimizer_steps"] == 3
+
+
+def _rlimit_run(method: str, malloc: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", **malloc)
+    helper = ROOT / "tests" / "helpers" / "accelerate_rlimit.py"
+    proc = subprocess.run([sys.executable, str(helper), method, "160"], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("malloc", [{}, {"MALLOC_MMAP_THRESHOLD_": "131072"}], ids=["dynamic", "fixed"])
+def test_under_rlimit_as_the_drop_in_reaches_what_the_finder_reaches_for_the_same_function(malloc):
+    # real memory, each sizing in a fresh process: the decorator's trials run the function itself, so
+    # they must not be more cautious than the finder on one step of it, nor run out of memory
+    dropin, finder = _rlimit_run("drop-in", malloc), _rlimit_run("finder", malloc)
+    assert dropin["calls"][-1] == [dropin["batch_size"], "ok"], dropin  # the final epoch trained
+    assert not any(kind == "oom" for _, kind in dropin["calls"]), dropin
+    assert dropin["batch_size"] >= 0.95 * finder["batch_size"], (dropin, finder)

@@ -249,7 +249,11 @@ class StorageTracker(TorchDispatchMode):
             if self.live > w.peak_bytes:
                 w.peak_bytes = self.live
         for timeline in self._timelines:
-            timeline.append(self.live)
+            # a change of the live bytes, not every operator: reading one more row of host data
+            # per sample (a loader's per-index fetch) changes nothing, and must not make the
+            # timelines of two batch sizes differ in length
+            if not timeline or timeline[-1] != self.live:
+                timeline.append(self.live)
 
     def _storage(self, t: Any) -> torch.UntypedStorage | None:
         # fake tensors own no memory; they reach this mode from a FakeTensorMode beneath it (fake
@@ -293,7 +297,7 @@ class StorageTracker(TorchDispatchMode):
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[int]]:
-        """Record the live bytes after every operator that allocates in the block: its timeline.
+        """Record the live bytes each time an operator in the block changes them: its timeline.
 
         Two runs of one step at different batch sizes give a :class:`~batchpilot.search.TensorModel`.
         """
