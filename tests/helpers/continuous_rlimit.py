@@ -4,10 +4,11 @@
     python continuous_rlimit.py HEADROOM_MIB nothing  # a room too small for any cache: the error it raises
 
 Builds a tiny Llama from a config (random weights, float32), caps the soft ``RLIMIT_AS`` at what is
-mapped + HEADROOM_MIB, then runs ``generate_batch`` with transformers' defaults, sizes a config with
-:func:`batchpilot.integrations.transformers.size_continuous_batching` and runs ``generate_batch`` with it;
-lifts the cap and runs the same requests with a generous hand-made config for reference. Prints one
-JSON line.
+mapped + HEADROOM_MIB and only then imports batchpilot's integration (as in a process its user capped
+before calling it: the import is paid out of the room), runs ``generate_batch`` with transformers'
+defaults, sizes a config with :func:`batchpilot.integrations.transformers.size_continuous_batching`
+and runs ``generate_batch`` with it; lifts the cap and runs the same requests with a generous
+hand-made config for reference. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ torch.set_num_threads(1)
 
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
-
-from batchpilot.integrations.transformers import size_continuous_batching  # noqa: E402
-from batchpilot.policy.search import NothingFitsError  # noqa: E402
 
 hf_logging.set_verbosity_error()
 
@@ -61,7 +59,12 @@ def generate(cfg: ContinuousBatchingConfig | None) -> tuple[list[list[int]] | No
 
 cap = vm_bytes() + headroom
 resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+before = vm_bytes()
+from batchpilot.integrations.transformers import size_continuous_batching  # noqa: E402  (under the cap)
+import_bytes = vm_bytes() - before
 if sys.argv[2:] == ["nothing"]:
+    from batchpilot.policy.search import NothingFitsError
+
     try:
         small = size_continuous_batching(model, gen)
     except Exception as exc:
@@ -70,7 +73,9 @@ if sys.argv[2:] == ["nothing"]:
     else:
         print(json.dumps({"error": None, "runs": small.runs, "limit": small.limit_bytes}))
     sys.exit(0)
+before = vm_bytes()
 _, defaults_error = generate(None)
+defaults_left = vm_bytes() - before  # its worker thread's malloc arena, transformers' modules, ...
 plan = size_continuous_batching(model, gen)
 sized, sized_error = generate(plan.config)
 resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -81,5 +86,5 @@ print(json.dumps({
     "plan_headroom": plan.headroom_bytes, "memory": plan.memory,
     "num_blocks": plan.num_blocks, "max_batch_tokens": plan.max_batch_tokens, "cache_bytes": plan.cache_bytes,
     "predicted": plan.predicted_bytes, "measured": plan.measured_bytes, "limit": plan.limit_bytes,
-    "runs": plan.runs, "seconds": plan.seconds,
+    "runs": plan.runs, "seconds": plan.seconds, "import_bytes": import_bytes, "defaults_left_bytes": defaults_left,
 }))

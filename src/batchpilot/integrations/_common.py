@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -16,7 +17,7 @@ from ..policy.microbatch import accum_steps as micro_batches, balanced_sizes
 from ..policy.schedule import LR_SCALE_RULES
 from ..train.batching import BatchConfig, config_for_limit, is_adaptive
 
-__all__ = ["BatchSetup", "SizingOptions", "require", "choose_batches", "count_sizes", "lr_rule_for"]
+__all__ = ["BatchSetup", "SizingOptions", "require", "require_installed", "choose_batches", "count_sizes", "lr_rule_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,30 @@ def require(module: str, extra_hint: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(
-            f"{extra_hint} needs {module.split('.')[0]}, which is not installed: "
-            f"pip install 'batchpilot[integrations]' (or pip install {module.split('.')[0]})"
-        ) from exc
+        raise _missing(module, extra_hint) from exc
+
+
+def require_installed(module: str, extra_hint: str) -> None:
+    """Fail early, as :func:`require` does, when ``module`` is not installed -- without importing it.
+
+    For a module whose functions import their framework when called: importing the framework
+    (``transformers`` alone: hundreds of modules) is then paid by what uses it, not by the import.
+
+    Raises:
+        ImportError: ``module`` is not installed (the message says how to install it).
+    """
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken half-imported module
+        found = False
+    if not found:
+        raise _missing(module, extra_hint)
+
+
+def _missing(module: str, extra_hint: str) -> ImportError:
+    top = module.split(".")[0]
+    return ImportError(f"{extra_hint} needs {top}, which is not installed: "
+                       f"pip install 'batchpilot[integrations]' (or pip install {top})")
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -27,12 +27,15 @@ from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.oom import attempt
 from ..train.batching import BatchConfig
-from ._common import SizingOptions, require
+from ._common import SizingOptions, require_installed
 
-require("accelerate", "batchpilot.integrations.accelerate")
+# checked, not imported: a trial patches Accelerate's classes, imported then (the function the
+# decorator wraps builds its Accelerator anyway)
+require_installed("accelerate", "batchpilot.integrations.accelerate")
 
-from accelerate import Accelerator  # noqa: E402
-from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
 
 __all__ = ["find_executable_batch_size"]
 
@@ -69,6 +72,9 @@ def _trial_mode(steps: int) -> Iterator[_Trial]:
     ``gradient_as_bucket_view``) are allocated instead; prepared dataloaders skip the RNG broadcast
     and dispatching. The ``steps``-th optimizer step that really steps raises :class:`_TrialDone`.
     """
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
     trial = _Trial(steps)
     prepare_model = Accelerator.prepare_model
     prepare_data_loader = Accelerator.prepare_data_loader

@@ -31,11 +31,11 @@ from ..memory.host import ResidentPeak, resident_bytes
 from ..memory.oom import free_memory, is_oom
 from ..memory.units import format_bytes, parse_bytes
 from ..policy.search import NothingFitsError, check_target
-from ._common import require
+from ._common import require_installed
 
-require("transformers", "batchpilot.integrations.continuous")
-
-import transformers  # noqa: E402
+# checked, not imported: transformers is loaded by the functions that use it (its package alone is
+# hundreds of modules, which a process sized tight must not pay for on import)
+require_installed("transformers", "batchpilot.integrations.continuous")
 
 __all__ = ["ContinuousBatchingPlan", "continuous_batching_config", "size_continuous_batching"]
 
@@ -240,7 +240,7 @@ def _generation_config(model: nn.Module, generation_config: Any) -> Any:
     if not callable(getattr(model, "generate_batch", None)):
         raise TypeError(
             f"{type(model).__name__} has no generate_batch: continuous batching needs a transformers model "
-            f"(transformers >= 5; installed {transformers.__version__})"
+            f"(transformers >= 5; installed {_transformers_version()})"
         )
     gen = generation_config if generation_config is not None else getattr(model, "generation_config", None)
     if gen is None:
@@ -622,9 +622,15 @@ def _geometry(manager: Any, model: nn.Module) -> _Geometry:
         return geo
     except (AttributeError, ImportError, TypeError) as exc:
         raise RuntimeError(
-            f"transformers {transformers.__version__}'s continuous batching does not size its cache as this "
+            f"transformers {_transformers_version()}'s continuous batching does not size its cache as this "
             f"integration reads it (PagedAttentionMemoryHandler over cache sectors, transformers 5.2x): {exc!r}"
         ) from exc
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _no_thread(exc: BaseException) -> bool:

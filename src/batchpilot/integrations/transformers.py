@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -33,14 +33,18 @@ from ..memory.oom import attempt, free_memory
 from ..policy.microbatch import accum_steps, balanced_sizes
 from ..train.batching import scale_lr
 from ..train.engine import Engine, EngineConfig, StepResult
-from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
+from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require_installed
 
-# before .continuous, which needs transformers too: the message names the module the user imported
-require("transformers", "batchpilot.integrations.transformers")
+# before .continuous, which needs transformers too: the message names the module the user imported.
+# Checked, not imported: the Trainer stack (accelerate, datasets, scipy, ... some 2,000 modules and
+# over a GiB of address space) is loaded by what uses it -- configure_batch_size and ResilientTrainer
+# -- and not by continuous_batching_config, which a process sized tight calls.
+require_installed("transformers", "batchpilot.integrations.transformers")
 
 from .continuous import ContinuousBatchingPlan, continuous_batching_config, size_continuous_batching  # noqa: E402
 
-from transformers import Trainer, TrainingArguments  # noqa: E402
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
 
 __all__ = [
     "configure_batch_size", "ResilientTrainerMixin", "ResilientTrainer", "hf_loss",
@@ -138,6 +142,8 @@ def configure_batch_size(
     lr_base = opts.lr_base_size or args.per_device_train_batch_size * world * accum
     device = args.device
     model.to(device)
+    from transformers import Trainer
+
     opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
     amp = "bf16" if args.bf16 else "fp16" if args.fp16 else None
@@ -385,8 +391,27 @@ class ResilientTrainerMixin:
             self._eval_dataloaders = {}
 
 
-class ResilientTrainer(ResilientTrainerMixin, Trainer):
-    """``transformers.Trainer`` with :class:`ResilientTrainerMixin`: OOMs in training and evaluation are survived."""
+def _resilient_trainer() -> type:
+    """:class:`ResilientTrainer`, defined on first use: subclassing ``Trainer`` imports the Trainer stack."""
+    from transformers import Trainer
+
+    class ResilientTrainer(ResilientTrainerMixin, Trainer):
+        """``transformers.Trainer`` with :class:`ResilientTrainerMixin`: OOMs in training and evaluation are survived."""
+
+    ResilientTrainer.__module__, ResilientTrainer.__qualname__ = __name__, "ResilientTrainer"  # pickled by name
+    return ResilientTrainer
+
+
+def __getattr__(name: str) -> Any:
+    # ``ResilientTrainer`` (module attribute, ``from ... import ResilientTrainer``): made once, then a global
+    if name == "ResilientTrainer":
+        cls = globals()[name] = _resilient_trainer()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 # ---------------------------------------------------------------------------
