@@ -256,3 +256,30 @@ def test_a_generation_model_prints_its_answers_limit_model_and_trials():
     assert_explains(text, figure="tensor bytes", target="50% of 1.91 MiB", model="KV cache")
     assert "search: 3 trials, 1 OOM" in text
     assert repr(memory).startswith("GenerationMemory(verified={(10, 4): 8}, ")
+
+
+def test_under_a_users_own_malloc_settings_a_trial_measures_what_it_needs_whatever_ran_before():
+    # The user fixed glibc's mmap threshold at 1 MiB, one arena: a KV cache's blocks (under 1 MiB) came
+    # from a heap that keeps freed memory mapped, so a trial grew the address space only by what earlier
+    # trials had not left free; figures stopped growing with the batch, the fit was refused and every
+    # batch ran at 2. The room holds the threshold at 128 KiB and gives the user's back when it closes.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "helpers" / "genmemory_history.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(MALLOC_MMAP_THRESHOLD_="1048576", MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # the user's threshold before and after the room, 128 KiB inside it
+    assert (out["before"], out["inside"], out["after"]) == (False, True, False), out
+    (b1, g1, o1), (b2, g2, o2), (b3, g3, o3), (_, g2_again, _), (_, g1_again, _) = out["growth"]
+    assert o1 == o2 == o3 == "fit", out
+    assert g1 < g2 < g3, out  # grows with the batch
+    # the same trial again measures what it did the first time (the first call's one-time set-up aside)
+    assert g2_again >= 0.85 * g2 and g1_again >= 0.7 * g1, out

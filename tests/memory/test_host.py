@@ -98,17 +98,32 @@ def test_a_pinned_malloc_threshold_gives_freed_blocks_back_to_the_address_space(
         assert out["kept"] >= 4 * 2**20, out  # glibc's default: it stayed in the heap, mapped
 
 
-@pytest.mark.parametrize("setting", [
-    {"MALLOC_MMAP_THRESHOLD_": "262144"},
-    {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},  # the modern spelling: no dynamic rule either
+@pytest.mark.parametrize("setting, pinned", [
+    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, True),  # the modern spelling: no dynamic rule either
+    ({"MALLOC_MMAP_THRESHOLD_": "1048576"}, False),  # fixed, but blocks under 1 MiB stay in the heap
 ])
-def test_pinning_is_left_to_an_environment_that_already_fixes_the_threshold(setting):
+def test_pinning_is_left_to_an_environment_that_already_fixes_the_threshold(setting, pinned):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(setting)
     code = ("from batchpilot.memory.host import pin_malloc_threshold, malloc_threshold_pinned\n"
             "print(pin_malloc_threshold(), malloc_threshold_pinned())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.split() == ["False", "True"]
+    assert out.stdout.split() == ["False", str(pinned)]
+
+
+@pytest.mark.parametrize("environ, value", [
+    ({"MALLOC_MMAP_THRESHOLD_": "1048576"}, 1048576),
+    ({"MALLOC_MMAP_THRESHOLD_": "0x100000"}, 1048576),
+    ({"MALLOC_MMAP_THRESHOLD_": "1048576", "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, 65536),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}, None),
+    ({"MALLOC_MMAP_THRESHOLD_": "lots"}, None),
+    ({}, None),
+])
+def test_the_threshold_the_environment_fixes_is_read_in_bytes(environ, value):
+    from batchpilot.memory.host import env_malloc_threshold
+
+    assert env_malloc_threshold(environ) == value
 
 
 @pytest.mark.parametrize("environ, fixed", [

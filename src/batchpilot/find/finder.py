@@ -25,7 +25,7 @@ from torch import nn
 from .._progress import Progress
 from ..core.compiled import CompileCounter, compiled_floor, is_compiled
 from ..memory.gauge import Gauge, gauge_for
-from ..memory.host import physical_bytes, pin_malloc_threshold
+from ..memory.host import malloc_threshold_held, physical_bytes
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import EMULATED_DEVICES, emulate_capacity, emulated_capacity, track_peak
 from ..memory.tracker import active_tracker
@@ -161,12 +161,18 @@ def find_batch_size(
         logger.warning("the model is compiled, but under an emulated CPU capacity its trials run eagerly (a "
                        "dispatch-mode tracker cannot see inside compiled kernels): this is the eager program's "
                        "batch; leave capacity= out to measure the compiled program on real memory")
+    held = contextlib.ExitStack()  # closed in the finally below, after the snapshot is freed
     if gauge.host:
         # before anything is measured: what a step needs must not depend on the sizes run before it
-        pin_malloc_threshold()
-    free_memory(dev)
-    spill = _spill(cfg.snapshot, gauge, targets)
-    snap = StateSnapshot(targets, spill=spill)
+        # (a threshold the user fixed high comes back after the search)
+        held.enter_context(malloc_threshold_held())
+    try:
+        free_memory(dev)
+        spill = _spill(cfg.snapshot, gauge, targets)
+        snap = StateSnapshot(targets, spill=spill)
+    except BaseException:
+        held.close()
+        raise
     verified: list[Trial] = []
     try:
         with contextlib.ExitStack() as stack:
@@ -227,6 +233,7 @@ def find_batch_size(
         snap.restore()
         snap.close()
         free_memory(dev)
+        held.close()
     if answer is None:
         raise _nothing_fits(list(trial_fn.done), space, dev, "nothing_fits" if verified else result.stop_reason)
     line = _memory_line(result.trials, space.limit_bytes, base)

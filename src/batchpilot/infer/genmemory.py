@@ -45,7 +45,7 @@ from ..find.notes import add_note
 from ..find.options import FindOptions
 from ..find.result import figure_name
 from ..memory.gauge import AllocatorGauge, Gauge, TensorGauge, gauge_for
-from ..memory.host import pin_malloc_threshold
+from ..memory.host import malloc_threshold_held
 from ..memory.limits import limit_named
 from ..memory.oom import attempt, free_memory, is_oom
 from ..memory.probes import EMULATED_DEVICES, emulate_capacity, emulated_capacity
@@ -572,10 +572,11 @@ def memory_room(model: Any, *, device: torch.device | str | int | None = None, c
         gauge = gauge_for(dev, emulated_capacity=emulated)
         stack.callback(gauge.close)
         if gauge.host:
-            # as the finder does: with glibc's threshold left dynamic, the prefill's freed blocks stay
-            # mapped for the first decoding steps (a fresh process's address space sat at the
-            # prefill's level for 2-5 steps, then fell), so the steps' figures made no model
-            pin_malloc_threshold()
+            # as the finder does, for the trials and the batches that follow them: below glibc's mmap
+            # threshold (dynamic, or fixed high by the user) freed blocks stay mapped and later ones
+            # reuse them, so a trial's figure would depend on the trials before it and not grow
+            # with the batch (the prefill's freed blocks also held the first decoding steps' figures)
+            stack.enter_context(malloc_threshold_held())
         if gauge.host and active_tracker(dev) is None:
             # a real host: the failing figure is measured as it is, step by step; a storage tracker
             # would cost about three times the generate it measures (one Python call per operator)

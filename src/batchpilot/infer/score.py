@@ -30,6 +30,7 @@ from ..find.lengths import LengthPlan
 from ..find.notes import note_length_search
 from ..find.result import BatchPlan
 from ..memory.gauge import Gauge, gauge_for
+from ..memory.host import malloc_threshold_held
 from ..memory.oom import attempt, free_memory
 from ..memory.probes import emulate_capacity
 from ..memory.tracker import active_tracker
@@ -179,7 +180,7 @@ class LengthScorer(Generic[R, T]):
         lengths: list[int] = []
         order: list[int] = []
         error: BaseException | None = None
-        with self._emulation():
+        with self._emulation(), self._host_malloc():
             try:
                 lengths = [self._length_of(r, i) for i, r in enumerate(requests)]
                 order = sorted(range(len(requests)), key=lambda i: -lengths[i])
@@ -213,6 +214,13 @@ class LengthScorer(Generic[R, T]):
             return
         with emulate_capacity(self.capacity, self.device, track=self.track):
             yield
+
+    def _host_malloc(self) -> Any:
+        """On a real host, glibc's mmap threshold held for the searches and the batches that follow them
+        (:func:`~batchpilot.memory.host.malloc_threshold_held`): they are sized on one figure, and run on it."""
+        if self.device.type == "cpu" and active_tracker(self.device) is None:
+            return malloc_threshold_held()
+        return contextlib.nullcontext()
 
     def _gauge(self) -> Gauge:
         """The figure that fails on the device: the running emulation's, or the real memory's."""

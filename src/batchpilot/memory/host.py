@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 try:
@@ -29,7 +29,7 @@ except ImportError:  # Windows
 __all__ = [
     "rlimit_as_bytes", "cgroup_dirs", "cgroup_limit_and_use", "available_bytes", "resident_bytes", "address_space_bytes",
     "address_space_peak", "ResidentPeak", "physical_bytes", "trim_host_memory", "pin_malloc_threshold",
-    "malloc_threshold_pinned",
+    "malloc_threshold_pinned", "env_malloc_threshold", "malloc_threshold_held",
 ]
 
 logger = logging.getLogger(__name__)
@@ -376,9 +376,14 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def malloc_threshold_pinned() -> bool:
-    """True when glibc's mmap threshold is fixed in this process (by :func:`pin_malloc_threshold`
-    or by the environment), so freed large blocks leave the address space."""
-    return bool(_pinned) or _env_fixes_threshold()
+    """True when glibc's mmap threshold is fixed at 128 KiB or below in this process (by
+    :func:`pin_malloc_threshold`, inside :func:`malloc_threshold_held`, or by the environment), so
+    freed large blocks leave the address space. A threshold the environment fixes higher keeps
+    the blocks below it in the heap."""
+    if _pinned or _held_lowered:
+        return True
+    fixed = env_malloc_threshold()
+    return fixed is not None and fixed <= MMAP_THRESHOLD
 
 
 def _env_fixes_threshold(environ: Mapping[str, str] | None = None) -> bool:
@@ -389,6 +394,26 @@ def _env_fixes_threshold(environ: Mapping[str, str] | None = None) -> bool:
         return True
     return any(item.partition("=")[0].strip() == "glibc.malloc.mmap_threshold"
                for item in env.get("GLIBC_TUNABLES", "").split(":"))
+
+
+def env_malloc_threshold(environ: Mapping[str, str] | None = None) -> int | None:
+    """The mmap threshold in bytes the environment fixes (``glibc.malloc.mmap_threshold`` in
+    ``GLIBC_TUNABLES``, else ``MALLOC_MMAP_THRESHOLD_``), or ``None`` where it fixes none or the
+    value is no number glibc reads (decimal, or hex with ``0x``)."""
+    env = os.environ if environ is None else environ
+    raw = None
+    for item in env.get("GLIBC_TUNABLES", "").split(":"):
+        key, _, value = item.partition("=")
+        if key.strip() == "glibc.malloc.mmap_threshold":
+            raw = value
+    if raw is None:
+        raw = env.get("MALLOC_MMAP_THRESHOLD_")
+    if raw is None:
+        return None
+    try:
+        return int(raw.strip(), 0)
+    except ValueError:
+        return None
 
 
 def pin_malloc_threshold() -> bool:
@@ -419,3 +444,58 @@ def pin_malloc_threshold() -> bool:
                     MMAP_THRESHOLD // 1024)
     trim_host_memory()
     return _pinned
+
+
+_held = 0  # depth of nested malloc_threshold_held blocks
+_held_lowered = False  # the outermost one lowered a threshold the environment fixed
+_lowered_logged = False
+
+
+@contextlib.contextmanager
+def malloc_threshold_held() -> Iterator[None]:
+    """glibc's mmap threshold at 128 KiB while the block measures and sizes; a threshold the user fixed comes back.
+
+    What a step needs under ``RLIMIT_AS`` is a figure of the address space, which only measures
+    the step when its large blocks leave the address space once freed. Below the mmap threshold
+    they come from the heap, which keeps what it frees mapped, and a later block reuses it: a
+    trial then grows the address space by what no earlier trial left free, so figures depend on
+    the sizes run before and stop growing with the batch (no model of memory is left). The block
+    holds the threshold at 128 KiB:
+
+    * glibc's dynamic threshold (the default) is fixed for good (:func:`pin_malloc_threshold`:
+      glibc has no way back to it);
+    * a threshold the user fixed above 128 KiB (``MALLOC_MMAP_THRESHOLD_=1048576``, or in
+      ``GLIBC_TUNABLES``) is lowered for the block and set back to the user's value when the
+      outermost block ends, so the process leaves as it came (logged once, at INFO);
+    * a threshold fixed at 128 KiB or below already maps every large block: nothing changes.
+
+    Freed heap is trimmed on entry either way. Blocks nest: only the outermost one restores.
+    A no-op off glibc.
+    """
+    global _held, _held_lowered, _lowered_logged
+    lib = _glibc()
+    fixed = env_malloc_threshold()
+    if lib is None or _held or fixed is None or fixed <= MMAP_THRESHOLD:
+        if lib is not None and not _held:
+            pin_malloc_threshold()  # dynamic: fixed for good; a small fixed one: only the trim
+        _held += 1
+        try:
+            yield
+        finally:
+            _held -= 1
+        return
+    lowered = bool(lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    if lowered and not _lowered_logged:
+        _lowered_logged = True
+        logger.info("glibc's mmap threshold (%d KiB, set by the environment) is held at %d KiB while batchpilot "
+                    "measures and runs its batches, then set back: below the threshold freed blocks stay mapped, "
+                    "and what a batch needs would depend on what ran before it", fixed // 1024, MMAP_THRESHOLD // 1024)
+    trim_host_memory()
+    _held, _held_lowered = _held + 1, lowered
+    try:
+        yield
+    finally:
+        _held -= 1
+        if lowered:
+            lib.mallopt(_M_MMAP_THRESHOLD, fixed)
+            _held_lowered = False
