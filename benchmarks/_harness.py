@@ -159,7 +159,7 @@ class Workload:
 # fresh processes
 
 
-def child_env(malloc: str = "fixed") -> dict[str, str]:
+def child_env(malloc: str = "fixed", extra: dict[str, str | None] | None = None) -> dict[str, str]:
     """Environment for measured children: one thread, one malloc arena, unbuffered output.
 
     One intra-op thread makes times comparable on a shared 2-core machine; one glibc
@@ -176,6 +176,10 @@ def child_env(malloc: str = "fixed") -> dict[str, str]:
     Pinned, every tensor buffer of 128 KiB or more is mapped and unmapped on its own,
     so the cap bounds the live bytes, as a device's capacity does.
     ``malloc="dynamic"`` keeps glibc's default.
+
+    ``extra`` is applied last, as a user would set up their own process (``{"MALLOC_MMAP_THRESHOLD_":
+    "1048576"}``); a value of ``None`` removes the variable (``{"MALLOC_ARENA_MAX": None}``: glibc's
+    arenas per core).
     """
     if malloc not in ("fixed", "dynamic"):
         raise ValueError(f"malloc must be 'fixed' or 'dynamic', got {malloc!r}")
@@ -186,6 +190,11 @@ def child_env(malloc: str = "fixed") -> dict[str, str]:
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     else:
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -212,7 +221,7 @@ class ForkRunner:
     child from it, so a child starts with those imports done and nothing else: it builds its
     model, warms up and caps itself exactly as a fresh interpreter would, in a fraction of
     a second instead of the seconds an import of torch and Lightning takes. The server is
-    started with :func:`child_env`'s settings. The child's stdout and stderr go to
+    started with :func:`child_env`'s settings (``env``: its ``extra``). The child's stdout and stderr go to
     ``/dev/null``; its result, or its traceback, comes back through a pipe.
 
     ``multiprocessing`` keeps one fork server per parent process, so all runners of a process
@@ -222,12 +231,13 @@ class ForkRunner:
         RuntimeError: a second runner asks for another environment.
     """
 
-    def __init__(self, preload: Sequence[str] = ("torch",), *, malloc: str = "fixed") -> None:
+    def __init__(self, preload: Sequence[str] = ("torch",), *, malloc: str = "fixed",
+                 env: dict[str, str | None] | None = None) -> None:
         import multiprocessing as mp
 
         self._ctx = mp.get_context("forkserver")
         self._preload = list(preload)
-        self._env = child_env(malloc)
+        self._env = child_env(malloc, env)
         self._started = False
 
     def _start(self) -> None:

@@ -22,6 +22,13 @@ equal ``hflm 1``'s (log-likelihoods to 1e-4 relative, greedy flags and generatio
     python benchmarks/lm_eval_side_by_side.py                 # the full run (minutes)
     python benchmarks/lm_eval_side_by_side.py --quick         # a small model and a few requests: a smoke test
     python benchmarks/lm_eval_side_by_side.py --tasks loglikelihood --json out.json
+    python benchmarks/lm_eval_side_by_side.py --tasks generate_until --methods "batchpilot,hflm 13" \
+        --env MALLOC_MMAP_THRESHOLD_=1048576,MALLOC_ARENA_MAX=1,TOKENIZERS_PARALLELISM=false
+
+Children run with one torch thread, one glibc arena and glibc's mmap threshold fixed at 128 KiB
+(``_harness.child_env``), unless ``--env`` says how the user set up their process: then glibc's
+threshold is left as the user's variables leave it (dynamic unless they set one), ``KEY=VALUE``
+sets a variable and ``KEY=`` removes one (``MALLOC_ARENA_MAX=``: glibc's arenas per core).
 """
 
 from __future__ import annotations
@@ -180,10 +187,25 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 # the parent: every row, compared with batch size 1
 
 
-def methods_for(task: str, config: dict[str, Any]) -> list[str]:
+def methods_for(task: str, config: dict[str, Any], only: list[str] | None = None) -> list[str]:
+    """The methods run for ``task`` (``only``: those of them, with ``hflm 1``, the reference, always)."""
     fixed = [f"hflm {n}" for n in config["fixed"]] if task == "generate_until" else []
     ours = ["batchpilot"] if task != "generate_until" or HAS_GENERATE else []
-    return ["hflm 1", "hflm auto", *fixed, *ours]
+    every = ["hflm 1", "hflm auto", *fixed, *ours]
+    return every if only is None else [m for m in every if m == "hflm 1" or m in only]
+
+
+def parse_env(text: str) -> dict[str, str | None]:
+    """``"K=V,K2=,..."`` -> ``{"K": "V", "K2": None}`` (an empty value removes the variable)."""
+    out: dict[str, str | None] = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--env takes KEY=VALUE items separated by commas, got {item!r}")
+        out[key] = value or None
+    return out
 
 
 def _same(task: str, got: Any, want: Any) -> str:
@@ -203,12 +225,13 @@ def _same(task: str, got: Any, want: Any) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = QUICK if args.quick else FULL
     config = {**config, "headroom_mib": args.headroom_mib or config["headroom_mib"]}
-    runner = ForkRunner(PRELOAD)
+    # a user's own set-up: glibc's threshold as their variables leave it
+    runner = ForkRunner(PRELOAD, malloc="dynamic", env=args.env) if args.env else ForkRunner(PRELOAD)
     rows = []
     started = time.perf_counter()
     for task in args.tasks:
         docs = {}
-        for method in methods_for(task, config):
+        for method in methods_for(task, config, args.methods):
             r = runner("lm_eval_side_by_side", "measure", {"config": config, "task": task, "method": method},
                        timeout=args.timeout)
             doc = r.data if r.ok else {"task": task, "method": method, "error": r.stderr.splitlines()[-1][:120]
@@ -217,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {task:22s} {method:11s} {doc.get('seconds', float('nan')):7.1f} s"
                   f"{'  ' + doc['error'] if doc.get('error') else ''}", flush=True)
         base = docs["hflm 1"]
-        auto = docs["hflm auto"]
+        auto = docs.get("hflm auto", {})
         for method, doc in docs.items():
             calls = doc.get("generate_calls") if task == "generate_until" else doc.get("forward_calls")
             row = {"task": task, "method": method, "n": doc.get("n"), "seconds": doc.get("seconds"),
@@ -231,16 +254,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row[key] = doc[key]
             if row["req/s"] and auto.get("seconds") and auto.get("results"):
                 row["× auto req/s"] = row["req/s"] / (auto["n"] / auto["seconds"])
+            fixed = [d["n"] / d["seconds"] for m, d in docs.items() if m.startswith("hflm ") and m != "hflm auto"
+                     and d.get("seconds") and d.get("results")]
+            if row["req/s"] and fixed:
+                row["× best fixed req/s"] = row["req/s"] / max(fixed)
             rows.append(row)
         if task == "generate_until" and not HAS_GENERATE:
             rows.append({"task": task, "method": "batchpilot", "error": "batchpilot.infer.generate is not in this "
                          "tree (generate_by_length): no row"})
-    return {"benchmark": "lm_eval_side_by_side", "quick": args.quick, "config": config, "rows": rows,
+    return {"benchmark": "lm_eval_side_by_side", "quick": args.quick, "config": config, "env": args.env, "rows": rows,
             "seconds": time.perf_counter() - started, "machine": machine(),
             "date": datetime.date.today().isoformat()}
 
 
-COLUMNS = ("task", "method", "req/s", "× auto req/s", "calls", "ooms", "same as hflm 1", "seconds", "note")
+COLUMNS = ("task", "method", "req/s", "× auto req/s", "× best fixed req/s", "calls", "ooms", "same as hflm 1", "seconds",
+           "note")
 
 
 def _cell(row: dict[str, Any], col: str) -> str:
@@ -279,6 +307,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address space allowed beyond what each process maps after its warm-up (default 176; --quick 48)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per process")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--methods", type=lambda s: [m.strip() for m in s.split(",") if m.strip()], default=None,
+                   help="comma-separated methods to run (hflm 1, the reference, always runs), e.g. 'batchpilot,hflm 13'")
+    p.add_argument("--env", type=parse_env, default=None,
+                   help="the user's own process set-up, e.g. MALLOC_MMAP_THRESHOLD_=1048576,MALLOC_ARENA_MAX=1 "
+                        "(KEY= removes a variable); glibc's threshold is then theirs, not the harness's 128 KiB")
     args = p.parse_args(argv)
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
@@ -290,9 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     c = result["config"]
+    setup = ("env " + ",".join(f"{k}={v or ''}" for k, v in args.env.items())) if args.env else \
+        "glibc threshold fixed at 128 KiB, one arena"
     print(f"\nlm_eval side by side: {c['layers']}-layer Llama (hidden {c['hidden']}, context {c['context']}, "
           f"{c['words']} words), each run in a fresh process under RLIMIT_AS = its address space + "
-          f"{c['headroom_mib']} MiB; torch {result['machine']['torch']}, {result['date']}")
+          f"{c['headroom_mib']} MiB, {setup}; torch {result['machine']['torch']}, {result['date']}")
     print(table(result["rows"]))
     print(f"total {result['seconds']:.0f} s")
     if args.json is not None:

@@ -642,6 +642,22 @@ def test_lm_eval_side_by_side_quick(tmp_path):
     assert all(n <= 3 for n in ours["trials_per_length"].values())
 
 
+def test_lm_eval_side_by_side_takes_a_users_environment_and_a_choice_of_methods():
+    import lm_eval_side_by_side as side
+
+    assert side.parse_env("MALLOC_MMAP_THRESHOLD_=1048576, MALLOC_ARENA_MAX=") == {
+        "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": None}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        side.parse_env("MALLOC_ARENA_MAX")
+    # hflm 1 is the reference every row is compared with: it always runs
+    assert side.methods_for("generate_until", side.QUICK, ["batchpilot"]) == (
+        ["hflm 1", "batchpilot"] if side.HAS_GENERATE else ["hflm 1"])
+    from _harness import child_env
+
+    env = child_env("dynamic", {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": None})
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "1048576" and "MALLOC_ARENA_MAX" not in env
+
+
 def test_continuous_batching_table_compares_with_the_best_hand_tuned_budget():
     import continuous_batching as cb
 
