@@ -237,6 +237,7 @@ def test_speed_quick_prints_the_sweep_and_the_split(tmp_path):
         assert s["peak_balanced"] < s["peak_first"]  # exact tensor bytes: the balanced split holds less
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_split_busy_quick_runs_the_reproduction_and_the_quiet_check(tmp_path):
     out = tmp_path / "split.json"
