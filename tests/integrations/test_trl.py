@@ -296,5 +296,5 @@ def test_config_file_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "batchpilot.integrations.trl", "--config", "grpo.yaml"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "batchpilot.train.engine: global 8 = world 1 × 8 per rank" in out.stderr, out.stderr[-3000:]
+    assert "batchpilot.train.engine: global 8 = micro 8 × world 1 × accum 1" in out.stderr, out.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").exists()

@@ -365,8 +365,10 @@ def test_unplannable_models_raise_a_planning_error_that_points_to_the_finder(cls
 def test_unknown_gpu_lists_the_known_ones():
     model, sample = build("mlp")
     with pytest.raises(ValueError, match="H100-80GB.*MI300X-192GB|known GPUs") as info:
-        plan_batch_size(model, sample, capacity="A100")
+        plan_batch_size(model, sample, capacity="Quantum-Card")  # nothing close: every known name
     assert all(name in str(info.value) for name in GPUS)
+    with pytest.raises(ValueError, match="did you mean 'A100-40GB' or 'A100-80GB'"):
+        plan_batch_size(model, sample, capacity="A100")  # close names: those, not all thirteen
 
 
 @pytest.mark.parametrize(
