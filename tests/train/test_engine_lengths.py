@@ -188,7 +188,7 @@ def test_what_several_ranks_learnt_is_applied_once_the_most_cautious_of_each_kin
 # checkpoint (the refit then uses the saved memory lines); the 28 right after it is sized by the
 # correction a step at 28 taught before it
 RESUME_WIDTHS = [16, 8, 32, 24, 32, 12, 28, 28, 64, 48, 24, 64, 40]
-RESUME_AT = 7
+RESUME_AT = 8
 
 
 def _engine(model: TinyGPT) -> Engine:
