@@ -30,6 +30,17 @@ g = torch.Generator().manual_seed(0)
 X, Y = torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps one process-wide state: a Trainer test earlier in this worker leaves its
+    bf16 mixed precision there, and every Accelerator here would then run bf16 (half the memory)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def network() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
