@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from batchpilot.infer.generate import generate_by_length  # noqa: E402
+from batchpilot.memory.probes import emulate_capacity  # noqa: E402
 from batchpilot.integrations.trl import LOSS_SHARES, ResilientGRPOTrainer, from_rows, to_rows  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
@@ -230,7 +231,9 @@ def test_generation_keeps_whole_groups():
         return original(*args, **kwargs)
 
     model.generate = generate
-    out = generate_by_length(model, prompts, max_new_tokens=4, pad_token_id=1, group_size=4, do_sample=True)
+    # sized on an emulated device: exact tensor bytes, whatever else this worker's process holds
+    with emulate_capacity("64MiB"):
+        out = generate_by_length(model, prompts, max_new_tokens=4, pad_token_id=1, group_size=4, do_sample=True)
     assert len(out) == 20 and all(1 <= len(r) <= 4 for r in out)
     assert failed and out.ooms == 1
     assert sum(b for b, _, _ in out.batches) == 20 and all(b % 4 == 0 for b, _, _ in out.batches), out.batches
