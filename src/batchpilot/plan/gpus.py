@@ -148,44 +148,73 @@ class GpuSpec:
         blas_workspace: torch's default cuBLAS / hipBLAS workspace on this
             architecture (bytes per handle).
         source: where ``capacity`` comes from.
+        tflops: peak dense FP16 tensor-core TFLOPS with FP32 accumulate (what autocast's
+            matrix products use), the speed figure a mixed cluster's shares are split by;
+            ``None`` where the table has none (give speeds yourself).
+        tflops_source: where ``tflops`` comes from.
     """
 
     name: str
     capacity: int
     blas_workspace: int
     source: str
+    tflops: float | None = None
+    tflops_source: str = ""
 
 
 _NOMINAL = "vendor data sheet: {} GB {}, taken as GiB (the chips are binary-sized); the driver reports slightly less"
 
 
-def _nominal(name: str, gib: int, memory: str, workspace: int, note: str = "") -> GpuSpec:
+def _nominal(name: str, gib: int, memory: str, workspace: int, tflops: float, tflops_source: str,
+             note: str = "") -> GpuSpec:
     return GpuSpec(name=name, capacity=gib * GiB, blas_workspace=workspace,
-                   source=_NOMINAL.format(gib, memory) + note)
+                   source=_NOMINAL.format(gib, memory) + note, tflops=tflops, tflops_source=tflops_source)
 
+
+# Speeds: peak dense FP16 tensor TFLOPS with FP32 accumulate, the figure that bounds autocast's
+# matrix products. Data sheets quote it "with sparsity" (twice the dense figure) for Ampere and
+# later; the dense half is taken. GeForce cards run FP32 accumulation at half their FP16-accumulate
+# rate, which their whitepapers list separately. A peak is a ceiling: memory-bound layers narrow
+# the real ratio between two cards, so measured samples/s (speeds=) give a tighter split.
+_DS = "vendor data sheet: {} TFLOPS dense FP16 tensor"
+_SPARSE = "vendor data sheet: {} TFLOPS FP16 tensor with sparsity, dense half taken"
 
 # Capacities are the marketed size unless measured. For an exact plan on a card
 # you have, pass torch.cuda.get_device_properties(i).total_memory as capacity.
 GPUS: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
-        _nominal("V100-16GB", 16, "HBM2", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("V100-32GB", 32, "HBM2", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("T4-16GB", 16, "GDDR6", CUBLAS_WORKSPACE_DEFAULT,
+        _nominal("V100-16GB", 16, "HBM2", CUBLAS_WORKSPACE_DEFAULT, 125.0, _DS.format("125 (SXM2; PCIe: 112)")),
+        _nominal("V100-32GB", 32, "HBM2", CUBLAS_WORKSPACE_DEFAULT, 125.0, _DS.format("125 (SXM2; PCIe: 112)")),
+        _nominal("T4-16GB", 16, "GDDR6", CUBLAS_WORKSPACE_DEFAULT, 65.0,
+                 "vendor data sheet: 65 TFLOPS mixed precision (FP16/FP32)",
                  "; with ECC on (the default) 1/16 is reserved, about 15 GiB usable"),
-        _nominal("A10-24GB", 24, "GDDR6", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("RTX3090-24GB", 24, "GDDR6X", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("RTX4090-24GB", 24, "GDDR6X", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("L4-24GB", 24, "GDDR6", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("A100-40GB", 40, "HBM2", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("A100-80GB", 80, "HBM2e", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("L40S-48GB", 48, "GDDR6", CUBLAS_WORKSPACE_DEFAULT),
-        _nominal("H100-80GB", 80, "HBM3", CUBLAS_WORKSPACE_HOPPER),
+        _nominal("RTX2080Ti-11GB", 11, "GDDR6", CUBLAS_WORKSPACE_DEFAULT, 53.8,
+                 "NVIDIA Turing whitepaper: 53.8 TFLOPS FP16 tensor with FP32 accumulate (reference clocks; "
+                 "Founders Edition 56.9; 107.6 with FP16 accumulate)"),
+        _nominal("A10-24GB", 24, "GDDR6", CUBLAS_WORKSPACE_DEFAULT, 125.0, _SPARSE.format("250")),
+        _nominal("RTX3090-24GB", 24, "GDDR6X", CUBLAS_WORKSPACE_DEFAULT, 71.0,
+                 "NVIDIA Ampere GA102 whitepaper: 71 TFLOPS FP16 tensor with FP32 accumulate (142 with FP16 "
+                 "accumulate)"),
+        _nominal("A6000-48GB", 48, "GDDR6", CUBLAS_WORKSPACE_DEFAULT, 154.8,
+                 "vendor data sheet (RTX A6000): 309.7 TFLOPS tensor with sparsity, dense half taken; "
+                 "FP32 accumulate at full rate on this professional card"),
+        _nominal("RTX4090-24GB", 24, "GDDR6X", CUBLAS_WORKSPACE_DEFAULT, 165.2,
+                 "NVIDIA Ada whitepaper: 165.2 TFLOPS FP16 tensor with FP32 accumulate (330.3 with FP16 "
+                 "accumulate)"),
+        _nominal("L4-24GB", 24, "GDDR6", CUBLAS_WORKSPACE_DEFAULT, 121.0, _SPARSE.format("242")),
+        _nominal("A100-40GB", 40, "HBM2", CUBLAS_WORKSPACE_DEFAULT, 312.0, _DS.format("312")),
+        _nominal("A100-80GB", 80, "HBM2e", CUBLAS_WORKSPACE_DEFAULT, 312.0, _DS.format("312")),
+        _nominal("L40S-48GB", 48, "GDDR6", CUBLAS_WORKSPACE_DEFAULT, 362.0, _SPARSE.format("733")),
+        _nominal("H100-80GB", 80, "HBM3", CUBLAS_WORKSPACE_HOPPER, 989.0,
+                 _SPARSE.format("1979 (SXM; PCIe: 1513)")),
         GpuSpec(
             name="H200-141GB", capacity=143771 * MiB, blas_workspace=CUBLAS_WORKSPACE_HOPPER,
             source="nvidia-smi total (143771 MiB) on an H200 lent to this project; the data sheet says 141 GB HBM3e",
+            tflops=989.0, tflops_source=_SPARSE.format("1979 (SXM)"),
         ),
-        _nominal("MI300X-192GB", 192, "HBM3", HIPBLAS_WORKSPACE_MI300),
+        _nominal("MI300X-192GB", 192, "HBM3", HIPBLAS_WORKSPACE_MI300, 1307.4,
+                 "vendor data sheet: 1307.4 TFLOPS peak FP16 dense (2614.9 with sparsity)"),
     )
 }
 

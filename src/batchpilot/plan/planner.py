@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +38,10 @@ from ..core.compiled import eager_while_tracked
 from ..core.loss import as_loss_fn, forward_only, parse_loss
 from ..memory.tracker import StorageLedger, tensor_leaves, tensor_storages, watch_storage_resizes, wraps_subclass
 from ..memory.units import format_bytes, parse_bytes
-from ..policy.search import DEFAULT_TARGET, check_target
+from ..policy.search import DEFAULT_TARGET, NothingFitsError, check_target
+from ..policy.shares import check_speeds, rank_shares
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
-from .result import MemoryEstimate, PlanResult, PlanningError
+from .result import ClusterPlanResult, MemoryEstimate, PlanningError, PlanResult, RankPlan
 
 __all__ = [
     "default_step",
@@ -629,7 +631,7 @@ def _sharded(cfg: _Config, shard_fn: Callable[[nn.Module, Any], Any] | None) -> 
 
 
 def _search_boundary(
-    cost: Callable[[int], int], limit: int, max_batch_size: int, probe: int = 1024
+    cost: Callable[[int], int], limit: int, max_batch_size: int, probe: int = 1024, known: dict[int, int] | None = None
 ) -> tuple[int, dict[int, int]]:
     """Largest ``b <= max_batch_size`` with ``cost(b) <= limit`` and ``cost(b + 1) > limit``.
 
@@ -642,10 +644,13 @@ def _search_boundary(
     batch takes four evaluations; the steps the CUDA allocator model adds
     cost a few more.
 
+    ``known`` costs (from a search for another limit on the same step) replace the probe: the
+    first secant step runs on the known sizes nearest the limit on either side.
+
     Returns:
         ``(b, {batch size: cost})``; ``b`` is 0 when ``cost(1) > limit``.
     """
-    seen: dict[int, int] = {}
+    seen: dict[int, int] = {b: c for b, c in (known or {}).items() if 1 <= b <= max_batch_size}
 
     def f(b: int) -> int:
         if b not in seen:
@@ -667,9 +672,14 @@ def _search_boundary(
             hi = min(hi, b)
         return fits
 
-    anchor = min(max_batch_size, max(2, probe))
-    update(anchor)
-    line = (1, anchor)
+    for b in sorted(seen):
+        update(b)
+    if hi > max_batch_size:  # nothing known fails: probe
+        anchor = min(max_batch_size, max(2, probe))
+        update(anchor)
+        line = (1, anchor)
+    else:  # the known sizes nearest the limit on either side
+        line = (lo, hi)
     for _ in range(4):  # secant steps: exact on a line, quick on a convex curve
         if hi - lo <= 1:
             break
@@ -719,7 +729,7 @@ def plan_batch_size(
     model: nn.Module,
     sample: Any,
     *,
-    capacity: int | float | str,
+    capacity: int | float | str | Sequence[int | float | str],
     target: float = DEFAULT_TARGET,
     optimizer: Any = None,
     loss_fn: Any = None,
@@ -734,7 +744,9 @@ def plan_batch_size(
     world_size: int = 1,
     sharding: Literal["fsdp2"] | None = None,
     shard_fn: Callable[[nn.Module, Any], Any] | None = None,
-) -> PlanResult:
+    global_batch_size: int | None = None,
+    speeds: Sequence[float] | None = None,
+) -> PlanResult | ClusterPlanResult:
     """The largest batch whose estimated peak fits ``target × capacity``, on fake tensors.
 
     The boundary is exact against :func:`estimate_peak_memory`: the
@@ -745,7 +757,11 @@ def plan_batch_size(
     Args:
         capacity: bytes, a size such as ``"24GiB"``, or a named GPU such as
             ``"H100-80GB"`` (see :data:`batchpilot.plan.gpus.GPUS`), which implies
-            ``device="cuda"`` and that GPU's cuBLAS workspace.
+            ``device="cuda"`` and that GPU's cuBLAS workspace. A list or tuple of them, one per
+            rank, plans a data-parallel job over GPUs that differ and returns a
+            :class:`~batchpilot.plan.result.ClusterPlanResult`: each rank's largest micro-batch
+            from its own memory, and its share of the global batch proportional to its speed
+            (:func:`batchpilot.policy.shares.rank_shares`).
         target: fraction of ``capacity`` to fill, in (0, 1] (the finder's default,
             :data:`batchpilot.policy.search.DEFAULT_TARGET`).
         device: ``"cpu"`` or ``"cuda"``; default: ``"cuda"`` for a named GPU,
@@ -757,46 +773,138 @@ def plan_batch_size(
             rank of ``world_size`` sharding the model with FSDP2 (see :func:`estimate_peak_memory`).
         model, sample, optimizer, loss_fn, step_fn, steps, mode, amp, shared: as for
             :func:`estimate_peak_memory`.
+        global_batch_size: with a list of capacities, the samples per optimizer step over all
+            ranks; ``None``: the largest that every rank takes in one micro-batch.
+        speeds: with a list of capacities, one figure per rank proportional to its samples/s;
+            ``None``: the GPU table's TFLOPS (every entry must then name a GPU).
 
     Raises:
         PlanningError: the step cannot run on fake tensors; run the finder on
             the device instead.
         ValueError: unknown GPU name (the message lists the known ones), a
             malformed capacity, or other invalid arguments.
+        NothingFitsError: with a list of capacities, a rank where not even a batch of one fits.
     """
     start = time.perf_counter()
-    cap, device, gpu = _resolve_capacity(capacity, device)
     check_target(target)
     if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+    options = dict(sample=sample, loss_fn=loss_fn, step_fn=step_fn, steps=steps, mode=mode, amp=amp,
+                   layout=BatchLayout.of(shared), sharding=sharding)
+    if isinstance(capacity, (list, tuple)):
+        return _plan_cluster(model, optimizer, list(capacity), options, target=target, device=device,
+                             accounting=accounting, max_batch_size=max_batch_size, world_size=world_size,
+                             shard_fn=shard_fn, global_batch_size=global_batch_size, speeds=speeds, start=start)
+    if global_batch_size is not None or speeds is not None:
+        raise ValueError("global_batch_size and speeds split a global batch over ranks that differ: pass capacity "
+                         "as a list with one entry per rank, e.g. capacity=['A6000-48GB', 'RTX2080Ti-11GB']")
+    cap, device, gpu = _resolve_capacity(capacity, device)
     if device == "cuda" and accounting is None:
         accounting = CudaAccounting.for_gpu(gpu) if gpu else CudaAccounting()
-    cfg = _Config(sample=sample, loss_fn=loss_fn, step_fn=step_fn, steps=steps, mode=mode, amp=amp,
-                  device=device, accounting=accounting, layout=BatchLayout.of(shared), world_size=world_size,
-                  sharding=sharding)
-    limit = int(target * cap)
-    estimates: dict[int, MemoryEstimate] = {}
+    cfg = _Config(device=device, accounting=accounting, world_size=world_size, **options)
     # Dispatch modes already running (a StorageTracker, a FLOP counter) must not see the fake steps.
     with _disable_current_modes(), _sharded(cfg, shard_fn) as shards:
         setup = _FakeSetup(model, optimizer, mode=mode, foreach=device == "cuda", shards=shards)
+        result = _plan_on(setup, cfg, {}, cap=cap, gpu=gpu, target=target, max_batch_size=max_batch_size)
+    result = dataclasses.replace(result, seconds=time.perf_counter() - start)
+    logger.info("planned batch %d for %s (limit %s) in %d fake runs, %.2f s", result.batch_size, format_bytes(cap),
+                format_bytes(result.limit), len(result.evaluations), result.seconds)
+    return result
 
-        def cost(b: int) -> int:
+
+def _plan_on(setup: _FakeSetup, cfg: _Config, estimates: dict[int, MemoryEstimate], *, cap: int, gpu: str | None,
+             target: float, max_batch_size: int) -> PlanResult:
+    """The largest batch under ``target × cap``; ``estimates`` (batch -> estimate under ``cfg``) is reused and filled."""
+    start = time.perf_counter()
+    limit = int(target * cap)
+    seen: set[int] = set()
+
+    def cost(b: int) -> int:
+        seen.add(b)
+        if b not in estimates:
             estimates[b] = _measure(setup, cfg, b)
-            return estimates[b].required_bytes
+        return estimates[b].required_bytes
 
-        best, _ = _search_boundary(cost, limit, max_batch_size)
-        nxt = best + 1
-        if nxt <= max_batch_size and nxt not in estimates:
-            cost(nxt)
-    result = PlanResult(
-        batch_size=best, capacity=cap, target=target, limit=limit, device=device, gpu=gpu,
-        estimate=estimates.get(best), next_estimate=estimates.get(nxt) if nxt <= max_batch_size else None,
-        evaluations={b: estimates[b].required_bytes for b in sorted(estimates)},
-        seconds=time.perf_counter() - start, world_size=world_size, sharding=sharding,
-    )
+    known = {b: e.required_bytes for b, e in estimates.items()}
+    best, _ = _search_boundary(cost, limit, max_batch_size, known=known)
+    nxt = best + 1
+    if nxt <= max_batch_size:
+        cost(nxt)
     if best == 0:
         logger.warning("even a batch of 1 needs %s, over the limit of %s (%.0f%% of %s)",
                        format_bytes(estimates[1].required_bytes), format_bytes(limit), 100 * target, format_bytes(cap))
-    logger.info("planned batch %d for %s (limit %s) in %d fake runs, %.2f s", best, format_bytes(cap),
-                format_bytes(limit), len(estimates), result.seconds)
+    return PlanResult(
+        batch_size=best, capacity=cap, target=target, limit=limit, device=cfg.device, gpu=gpu,
+        estimate=estimates.get(best), next_estimate=estimates.get(nxt) if nxt <= max_batch_size else None,
+        evaluations={b: estimates[b].required_bytes for b in sorted(seen)},
+        seconds=time.perf_counter() - start, world_size=cfg.world_size, sharding=cfg.sharding,
+    )
+
+
+def _plan_cluster(model: nn.Module, optimizer: Any, capacities: list[Any], options: dict[str, Any], *, target: float,
+                  device: str | None, accounting: CudaAccounting | None, max_batch_size: int, world_size: int,
+                  shard_fn: Callable[[nn.Module, Any], Any] | None, global_batch_size: int | None,
+                  speeds: Sequence[float] | None, start: float) -> ClusterPlanResult:
+    """One plan per kind of GPU in ``capacities`` (fake steps shared where the accounting is the same), then the split."""
+    n = len(capacities)
+    if n == 0:
+        raise ValueError("capacity is an empty list: give one capacity or named GPU per rank")
+    if global_batch_size is not None:
+        positive_int("global_batch_size", global_batch_size)
+    resolved = [_resolve_capacity(c, device) for c in capacities]
+    if device is None and len({d for _, d, _ in resolved}) > 1:  # named GPUs beside sizes: all of them CUDA
+        resolved = [_resolve_capacity(c, "cuda") for c in capacities]
+    if speeds is None:
+        missing = [c for c, (_, _, gpu) in zip(capacities, resolved) if gpu is None or gpu_spec(gpu).tflops is None]
+        if missing:
+            raise ValueError(f"capacity {missing[0]!r} has no speed in the GPU table: give speeds=[...] with one "
+                             f"figure per rank proportional to its samples/s (e.g. speeds=[1.0] * {n})")
+        speeds = [gpu_spec(gpu).tflops for _, _, gpu in resolved]  # type: ignore[arg-type, misc]
+        speeds_from = "table"
+    else:
+        speeds = check_speeds(speeds, n)
+        speeds_from = "given"
+    sharding = options["sharding"]
+    if world_size not in (1, n):
+        raise ValueError(f"world_size={world_size} with {n} capacities: a list plans one rank per entry, so the "
+                         f"world size is {n} (leave world_size out)")
+    cluster_device = resolved[0][1]
+    configs: dict[Any, _Config] = {}
+    memo: dict[Any, dict[int, MemoryEstimate]] = {}
+    plans: dict[tuple[Any, int], PlanResult] = {}
+    keys = []
+    for cap, dev, gpu in resolved:
+        acc = accounting
+        if dev == "cuda" and acc is None:
+            acc = CudaAccounting.for_gpu(gpu) if gpu else CudaAccounting()
+        key = (dev, None if acc is None else dataclasses.astuple(acc))
+        if key not in configs:
+            configs[key] = _Config(device=dev, accounting=acc, world_size=n if sharding else 1, **options)
+            memo[key] = {}
+        keys.append(key)
+    cfg0 = next(iter(configs.values()))
+    with _disable_current_modes(), _sharded(cfg0, shard_fn) as shards:
+        setup = _FakeSetup(model, optimizer, mode=cfg0.mode, foreach=cluster_device == "cuda", shards=shards)
+        for key, (cap, _, gpu) in zip(keys, resolved):
+            if (key, cap) not in plans:
+                plans[key, cap] = _plan_on(setup, configs[key], memo[key], cap=cap, gpu=gpu, target=target,
+                                           max_batch_size=max_batch_size)
+    per_rank = [plans[key, cap] for key, (cap, _, _) in zip(keys, resolved)]
+    for i, plan in enumerate(per_rank):
+        if plan.batch_size == 0:
+            need = plan.evaluations.get(1)
+            raise NothingFitsError(
+                f"nothing fits on rank {i} ({plan.gpu or format_bytes(plan.capacity)}): batch size 1 needs "
+                f"{format_bytes(need or 0)}, over its limit {format_bytes(plan.limit)}; leave the rank out, or "
+                "need less memory per sample (mixed precision, activation checkpointing)",
+                batch_size=1, peak_bytes=need, limit_bytes=plan.limit, capacity_bytes=plan.capacity)
+    shares = rank_shares(global_batch_size, speeds, [p.batch_size for p in per_rank])
+    ranks = tuple(RankPlan(rank=s.rank, gpu=p.gpu, capacity=p.capacity, share=s.share, micro_batch=s.micro_batch,
+                           accumulation=s.accumulation, max_micro_batch=s.max_micro_batch, speed=s.speed,
+                           time=s.time, plan=p) for s, p in zip(shares, per_rank))
+    result = ClusterPlanResult(
+        global_batch_size=sum(r.share for r in ranks), ranks=ranks, speeds_from=speeds_from, target=target,
+        device=cluster_device, seconds=time.perf_counter() - start, evaluations=sum(len(m) for m in memo.values()))
+    logger.info("planned %d ranks: shares %s of a global batch of %d, %d fake runs, %.2f s", n, result.shares,
+                result.global_batch_size, result.evaluations, result.seconds)
     return result

@@ -1,13 +1,15 @@
-"""The planner's answers (:class:`MemoryEstimate`, :class:`PlanResult`) and its one error."""
+"""The planner's answers (:class:`MemoryEstimate`, :class:`PlanResult`, :class:`ClusterPlanResult`) and its one error."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..memory.units import format_bytes
+from ..policy.shares import step_seconds
 
-__all__ = ["PlanningError", "MemoryEstimate", "PlanResult"]
+__all__ = ["PlanningError", "MemoryEstimate", "PlanResult", "RankPlan", "ClusterPlanResult"]
 
 
 class PlanningError(RuntimeError):
@@ -129,3 +131,110 @@ class PlanResult:
         d["estimate"] = self.estimate.to_dict() if self.estimate else None
         d["next_estimate"] = self.next_estimate.to_dict() if self.next_estimate else None
         return d
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """One rank of a mixed cluster: its GPU, its largest micro-batch, and its share of the global batch.
+
+    ``share`` samples per optimizer step, run as ``accumulation`` micro-batches of at most
+    ``micro_batch`` (balanced: they differ by at most one sample); ``max_micro_batch`` is what
+    its memory allows (``plan.batch_size``). ``speed`` is the figure the share is proportional to
+    and ``time`` the rank's ``share / speed`` over the slowest rank's (1.0 sets the pace).
+    """
+
+    rank: int
+    gpu: str | None
+    capacity: int
+    share: int
+    micro_batch: int
+    accumulation: int
+    max_micro_batch: int
+    speed: float
+    time: float
+    plan: PlanResult
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "gpu": self.gpu, "capacity_bytes": self.capacity, "limit_bytes": self.plan.limit,
+                "share": self.share, "micro_batch_size": self.micro_batch, "accumulation": self.accumulation,
+                "max_micro_batch_size": self.max_micro_batch, "speed": self.speed, "time": self.time,
+                "required_bytes": self.plan.estimate.required_bytes if self.plan.estimate else None}
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class ClusterPlanResult:
+    """The plan of a data-parallel job over GPUs that differ: each rank's share of one global batch.
+
+    Shares are proportional to ``speeds`` (the GPU table's TFLOPS, or the user's figures), so
+    ranks finish their share at about the same time; each rank's micro-batch is the largest its
+    own memory allows, and a share larger than that runs as several micro-batches. Every rank
+    runs one optimizer step per global batch. ``global_batch_size`` is the one asked for, or
+    (none asked for) the largest that every rank takes in one micro-batch.
+    """
+
+    global_batch_size: int
+    ranks: tuple[RankPlan, ...]
+    speeds_from: str
+    target: float
+    device: str
+    seconds: float = 0.0
+    evaluations: int = 0
+
+    @property
+    def shares(self) -> list[int]:
+        """Samples per rank per optimizer step, in rank order."""
+        return [r.share for r in self.ranks]
+
+    @property
+    def equal_share_micro_batch(self) -> int:
+        """The per-rank batch data parallelism gives every rank today: the smallest rank's largest one."""
+        return min(r.max_micro_batch for r in self.ranks)
+
+    @property
+    def speedup(self) -> float:
+        """Predicted step-time ratio: equal shares of the same global batch over these shares.
+
+        Equal shares run the global batch split evenly (each rank's part in as many micro-batches
+        as its memory needs); the time is the slowest rank's, in the speeds' unit. Only as good as
+        the speeds: a peak figure from a data sheet is not a measured samples/s.
+        """
+        speeds = [r.speed for r in self.ranks]
+        n = len(self.ranks)
+        equal = [self.global_batch_size // n + (1 if i < self.global_batch_size % n else 0) for i in range(n)]
+        return step_seconds(equal, speeds) / step_seconds(self.shares, speeds)
+
+    def describe(self) -> str:
+        """A few lines: the global batch, one row per rank, why these shares, what would change them (``str()``)."""
+        names = Counter(r.gpu or format_bytes(r.capacity) for r in self.ranks)
+        mix = ", ".join(f"{k} x {v}" if v > 1 else k for k, v in names.items())
+        lines = [f"global batch {self.global_batch_size} over {len(self.ranks)} ranks ({mix}): planned on fake "
+                 "tensors, nothing ran",
+                 f"  {'rank':<5}{'gpu':<18}{'max micro':>10}{'speed':>9}{'share':>7}{'micro x accum':>15}{'time':>6}"]
+        for r in self.ranks:
+            where = r.gpu or format_bytes(r.capacity)
+            lines.append(f"  {r.rank:<5}{where:<18}{r.max_micro_batch:>10}{r.speed:>9.4g}{r.share:>7}"
+                         f"{f'{r.micro_batch} x {r.accumulation}':>15}{r.time:>6.2f}")
+        source = {"table": "the GPU table's peak dense FP16 tensor TFLOPS (vendor data sheets)",
+                  "given": "the speeds given"}.get(self.speeds_from, self.speeds_from)
+        lines.append(f"  shares proportional to {source}; max micro: the largest batch under "
+                     f"{self.target:.0%} of each GPU's memory; one optimizer step per global batch on every rank")
+        lines.append(f"  equal shares would give every rank {self.global_batch_size / len(self.ranks):g} samples "
+                     f"(the smallest GPU fits {self.equal_share_micro_batch} per micro-batch): these shares "
+                     f"are {self.speedup:.2f}x faster by the same speeds")
+        lines.append(f"  search: {self.evaluations} fake steps for {len(names)} kinds of GPU, {self.seconds:.2f}s")
+        lines.append("  to change it: speeds= (measured samples/s per rank) for a split closer to the real one; "
+                     "global_batch_size= for another global batch")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return (f"ClusterPlanResult(global_batch_size={self.global_batch_size}, shares={self.shares}, "
+                f"micro_batches={[r.micro_batch for r in self.ranks]}, "
+                f"accumulation={[r.accumulation for r in self.ranks]})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"global_batch_size": self.global_batch_size, "speeds_from": self.speeds_from, "target": self.target,
+                "device": self.device, "speedup": self.speedup, "evaluations": self.evaluations,
+                "seconds": self.seconds, "ranks": [r.to_dict() for r in self.ranks]}

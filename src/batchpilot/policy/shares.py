@@ -1,0 +1,209 @@
+"""Uneven ranks: each rank's share of one global batch, from its speed and its memory; torch-free.
+
+Data-parallel ranks that are not alike (two 48 GB cards beside two 11 GB ones, a rank that
+also runs the evaluator) finish a step when their slowest rank does. A rank that processes
+``n`` samples at ``s`` samples/s takes ``n / s`` seconds, so the step is shortest when every
+share is proportional to its rank's speed; memory bounds only the *micro*-batch, not the share:
+a rank whose share is larger than what fits runs it as several micro-batches (accumulation),
+and every rank still runs exactly one optimizer step (one gradient all-reduce) per global batch.
+
+* :func:`split_shares` -- integer shares summing to the global batch, proportional to speed
+  (the largest share no longer than it must be: it minimises the slowest rank's time), each
+  between a floor (1: every rank holds a sample) and an optional cap.
+* :func:`balanced_total` -- the largest global batch that every rank takes in one micro-batch
+  with shares proportional to speed (the plan when no global batch is given).
+* :func:`rank_shares` -- the whole per-rank plan: share, micro-batch, accumulation, and the
+  time each rank needs relative to the others.
+
+The same functions serve the planner (speeds from the GPU table or the user) and the runtime
+split (speeds measured per rank): pass samples/s or any figure proportional to it. They are
+deterministic (ties go to the lowest rank), so every rank that calls them with the same
+arguments gets the same split without a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .._checks import check_int, positive_int
+from .microbatch import accum_steps
+
+__all__ = ["RankShare", "check_speeds", "split_shares", "balanced_total", "rank_shares", "step_seconds"]
+
+
+def check_speeds(speeds: Any, ranks: int | None = None, *, error: type[Exception] = ValueError) -> tuple[float, ...]:
+    """``speeds`` as a tuple of positive finite floats, one per rank (``ranks`` of them when given).
+
+    Raises:
+        ValueError (or ``error``): not a sequence of positive finite numbers, or the wrong length.
+    """
+    try:
+        values = tuple(float(s) for s in speeds)
+    except (TypeError, ValueError):
+        raise error(f"speeds must be a sequence of positive numbers (samples/s or proportional), got {speeds!r}") from None
+    if not values:
+        raise error("speeds is empty: give one speed per rank")
+    bad = [s for s in values if not (math.isfinite(s) and s > 0)]
+    if bad:
+        raise error(f"speeds must be positive and finite, got {bad[0]!r} in {list(values)}")
+    if ranks is not None and len(values) != ranks:
+        raise error(f"{len(values)} speeds for {ranks} ranks: give one speed per rank")
+    return values
+
+
+def _bounds(name: str, values: Sequence[int | None] | None, ranks: int, default: int | None,
+            minimum: int) -> list[int | None]:
+    if values is None:
+        return [default] * ranks
+    values = list(values)
+    if len(values) != ranks:
+        raise ValueError(f"{len(values)} {name} for {ranks} ranks: give one per rank (None for no bound)")
+    return [None if v is None else check_int(f"{name}[{i}]", v, minimum=minimum) for i, v in enumerate(values)]
+
+
+def split_shares(total: int, speeds: Sequence[float], *, caps: Sequence[int | None] | None = None,
+                 floors: Sequence[int] | None = None) -> list[int]:
+    """``total`` samples over the ranks, as nearly proportional to ``speeds`` as integers allow.
+
+    The split minimises the slowest rank's time ``max(share / speed)`` and, among such splits,
+    hands the samples left after rounding down to the ranks that would finish them soonest
+    (ties: the lowest rank). ``split_shares(512, [3, 1]) == [384, 128]``;
+    ``split_shares(10, [1, 1, 1]) == [4, 3, 3]``.
+
+    Args:
+        total: the global batch (samples, or any unit the speeds are per second of).
+        speeds: one positive figure per rank, proportional to its samples/s.
+        caps: per rank, the most samples it may take (``None``: no cap), e.g. its micro-batch
+            times an accumulation limit; a capped rank's excess goes to the others by speed.
+        floors: per rank, the fewest samples it takes (default 1: a rank with nothing to do
+            could not run its backward, and every rank must run the same collectives).
+
+    Raises:
+        ValueError: ``total`` is not a positive int, the floors add up to more than ``total`` or the
+            caps to less, a cap below its floor, or bad speeds.
+    """
+    total = positive_int("total", total)
+    speeds = check_speeds(speeds)
+    n = len(speeds)
+    lo = [int(v) for v in _bounds("floors", floors, n, 1, 0)]  # type: ignore[arg-type]
+    hi = _bounds("caps", caps, n, None, 1)
+    for i, (a, b) in enumerate(zip(lo, hi)):
+        if b is not None and b < a:
+            raise ValueError(f"caps[{i}] = {b} is below floors[{i}] = {a}")
+    if sum(lo) > total:
+        raise ValueError(f"a global batch of {total} cannot give {n} ranks at least {lo} samples each: "
+                         f"make it at least {sum(lo)}, or use fewer ranks")
+    if all(b is not None for b in hi) and sum(hi) < total:  # type: ignore[arg-type]
+        raise ValueError(f"the ranks can take at most {sum(hi)} samples together (caps {hi}), fewer than "  # type: ignore[arg-type]
+                         f"the global batch of {total}: lower it, or raise the caps (more accumulation)")
+    level = _water_level(total, speeds, lo, hi)
+    shares = [_clamp(math.floor(s * level), a, b) for s, a, b in zip(speeds, lo, hi)]
+    # rounding down leaves fewer than n samples over (or, through the floors, a few too many)
+    while sum(shares) < total:
+        i = min((i for i in range(n) if hi[i] is None or shares[i] < hi[i]),  # type: ignore[operator]
+                key=lambda i: ((shares[i] + 1) / speeds[i], i))
+        shares[i] += 1
+    while sum(shares) > total:
+        i = max((i for i in range(n) if shares[i] > lo[i]), key=lambda i: (shares[i] / speeds[i], -i))
+        shares[i] -= 1
+    return shares
+
+
+def _clamp(x: float, lo: int, hi: int | None) -> int:
+    x = max(lo, int(x))
+    return x if hi is None else min(hi, x)
+
+
+def _water_level(total: int, speeds: Sequence[float], lo: Sequence[int], hi: Sequence[int | None]) -> float:
+    """The time ``t`` at which ``sum(clamp(speed * t, floor, cap)) == total`` (bisection; exact enough to round)."""
+
+    def taken(t: float) -> float:
+        return sum(min(b, max(a, s * t)) if b is not None else max(a, s * t) for s, a, b in zip(speeds, lo, hi))
+
+    low, high = 0.0, total / min(speeds) + 1.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        if taken(mid) < total:
+            low = mid
+        else:
+            high = mid
+        if high - low <= 1e-12 * high:
+            break
+    return low
+
+
+def balanced_total(speeds: Sequence[float], max_micro: Sequence[int]) -> list[int]:
+    """The largest shares that every rank takes in one micro-batch, proportional to speed.
+
+    The rank with the least memory per unit of speed sets the pace: at its largest micro-batch
+    it runs for ``t = max_micro / speed`` and every other rank takes ``speed × t`` samples
+    (rounded down, at least 1, at most its own ``max_micro``). Their sum is the global batch.
+    ``balanced_total([3, 1], [800, 170]) == [510, 170]``.
+
+    Raises:
+        ValueError: bad speeds, or a ``max_micro`` that is not a positive int per rank.
+    """
+    speeds = check_speeds(speeds)
+    micro = [positive_int(f"max_micro[{i}]", m) for i, m in enumerate(max_micro)]
+    if len(micro) != len(speeds):
+        raise ValueError(f"{len(micro)} micro-batch sizes for {len(speeds)} speeds: give one per rank")
+    pace = min(m / s for m, s in zip(micro, speeds))
+    # a relative tolerance: the pacing rank's speed x pace is its max_micro up to float rounding
+    return [max(1, min(m, math.floor(s * pace * (1 + 1e-9)))) for m, s in zip(micro, speeds)]
+
+
+def step_seconds(shares: Sequence[int], speeds: Sequence[float]) -> float:
+    """The step's time in the speeds' unit: the slowest rank's ``share / speed``."""
+    return max(n / s for n, s in zip(shares, check_speeds(speeds, len(shares))))
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's part of a global batch.
+
+    Attributes:
+        rank: its index.
+        share: samples of the global batch it processes per optimizer step.
+        micro_batch: the largest micro-batch of its split (the share in ``accumulation``
+            micro-batches that differ by at most one sample).
+        accumulation: micro-batches per optimizer step; ranks may differ, the optimizer steps
+            and the gradient all-reduce per step do not.
+        max_micro_batch: the largest micro-batch its memory allows.
+        speed: its speed figure, as given.
+        time: ``share / speed`` over the slowest rank's: 1.0 for the rank that sets the pace.
+    """
+
+    rank: int
+    share: int
+    micro_batch: int
+    accumulation: int
+    max_micro_batch: int
+    speed: float
+    time: float
+
+
+def rank_shares(total: int | None, speeds: Sequence[float], max_micro: Sequence[int], *,
+                caps: Sequence[int | None] | None = None) -> list[RankShare]:
+    """Each rank's share, micro-batch and accumulation for a global batch of ``total``.
+
+    ``total=None``: the largest global batch that every rank takes in one micro-batch
+    (:func:`balanced_total`). Otherwise the shares are :func:`split_shares` and each rank runs
+    its share in ``ceil(share / max_micro)`` balanced micro-batches.
+
+    Raises:
+        ValueError: as :func:`split_shares` and :func:`balanced_total`.
+    """
+    speeds = check_speeds(speeds)
+    micro = [positive_int(f"max_micro[{i}]", m) for i, m in enumerate(max_micro)]
+    if len(micro) != len(speeds):
+        raise ValueError(f"{len(micro)} micro-batch sizes for {len(speeds)} speeds: give one per rank")
+    shares = balanced_total(speeds, micro) if total is None else split_shares(total, speeds, caps=caps)
+    slowest = step_seconds(shares, speeds)
+    out = []
+    for i, (n, s, m) in enumerate(zip(shares, speeds, micro)):
+        k = accum_steps(n, m)
+        out.append(RankShare(rank=i, share=n, micro_batch=accum_steps(n, k), accumulation=k, max_micro_batch=m,
+                             speed=s, time=(n / s) / slowest))
+    return out
