@@ -68,7 +68,7 @@ from batchpilot.find.front import find_batch_size_for  # noqa: E402
 from batchpilot.plan.gpus import CudaAccounting, gpu_spec, known_gpus  # noqa: E402
 from batchpilot.memory.probes import emulate_capacity, track_peak  # noqa: E402
 from batchpilot.memory.units import format_bytes, parse_bytes  # noqa: E402
-from batchpilot.app.models import MLP  # noqa: E402
+from batchpilot.app.models import MLP, ResNet  # noqa: E402
 from batchpilot.train.noise import NoiseConfig  # noqa: E402
 from batchpilot.memory.oom import attempt, free_memory  # noqa: E402
 from batchpilot.plan.planner import default_step, estimate_peak_memory  # noqa: E402
@@ -83,49 +83,6 @@ MODELS = ("mlp", "resnet50", "gpt2")
 
 # ---------------------------------------------------------------------------
 # models written here, sized by arguments
-
-
-class Bottleneck(nn.Module):
-    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carries the stride), 1x1 expand x4, residual."""
-
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        super().__init__()
-        cout = 4 * width
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
-        )
-        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.body(x) + self.skip(x))
-
-
-class ResNet(nn.Module):
-    """Bottleneck ResNet; ``layers=(3, 4, 6, 3)``, ``widths=(64, 128, 256, 512)`` is ResNet-50 (25.6M params)."""
-
-    def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), widths: tuple[int, ...] = (64, 128, 256, 512),
-                 num_classes: int = 1000, imagenet_stem: bool = True) -> None:
-        super().__init__()
-        c = widths[0]
-        if imagenet_stem:  # 7x7 stride 2 and a max-pool: 224 -> 56
-            self.stem = nn.Sequential(nn.Conv2d(3, c, 7, 2, 3, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
-                                      nn.MaxPool2d(3, 2, 1))
-        else:  # small images keep their resolution
-            self.stem = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
-        blocks: list[nn.Module] = []
-        for i, (n, w) in enumerate(zip(layers, widths)):
-            for j in range(n):
-                blocks.append(Bottleneck(c, w, 2 if j == 0 and i > 0 else 1))
-                c = 4 * w
-        self.blocks = nn.Sequential(*blocks)
-        self.head = nn.Linear(c, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
 
 
 class GPTBlock(nn.Module):

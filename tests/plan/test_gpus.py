@@ -139,3 +139,12 @@ def test_allocator_model_invariants(ops):
     for key in list(live):
         alloc.free(key)
     assert alloc.allocated == 0
+
+
+def test_every_gpu_has_a_speed_with_its_source():
+    for name, spec in GPUS.items():
+        assert spec.tflops is not None and spec.tflops > 0, name
+        assert "TFLOPS" in spec.tflops_source and ("data sheet" in spec.tflops_source
+                                                   or "whitepaper" in spec.tflops_source), name
+    assert GPUS["A6000-48GB"].capacity == 48 * GiB and GPUS["RTX2080Ti-11GB"].capacity == 11 * GiB
+    assert gpu_spec("rtx 2080 ti 11gb") is GPUS["RTX2080Ti-11GB"]

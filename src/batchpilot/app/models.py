@@ -1,19 +1,22 @@
-"""Small reference models used by the CLI's defaults, the benchmarks and the tests.
+"""Reference models used by the CLI's defaults, the benchmarks and the tests.
 
 They cover the three memory shapes that matter for batch sizing: a plain MLP
 (activations linear in the batch), a CNN with BatchNorm (buffers and large
 per-sample activations) and a transformer block (attention, quadratic in the
 sequence but linear in the batch). Sizes are parameters so that the GPU
-validation script can build ResNet-50-sized and GPT-2-small-sized variants.
+validation script can build ResNet-50-sized and GPT-2-small-sized variants. :class:`ResNet` is a
+bottleneck ResNet written here (ResNet-50 by default: ``batchpilot plan --model resnet50`` plans it
+without torchvision).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "MLP", "SmallCNN", "TransformerBlockModel", "TinyGPT", "lm_loss", "padded_lm_batch",
+    "MLP", "SmallCNN", "TransformerBlockModel", "ResNet", "TinyGPT", "lm_loss", "padded_lm_batch",
     "build_model", "example_batch", "MODEL_NAMES",
 ]
 
@@ -74,6 +77,50 @@ class TransformerBlockModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
         return self.head(self.blocks(h).mean(dim=1))
+
+
+class _Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck: 1x1 reduce, 3x3 (carries the stride), 1x1 expand x4, residual."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """Bottleneck ResNet; ``layers=(3, 4, 6, 3)``, ``widths=(64, 128, 256, 512)`` is ResNet-50 (25.6M params)."""
+
+    def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), widths: tuple[int, ...] = (64, 128, 256, 512),
+                 num_classes: int = 1000, imagenet_stem: bool = True, in_channels: int = 3) -> None:
+        super().__init__()
+        c = widths[0]
+        if imagenet_stem:  # 7x7 stride 2 and a max-pool: 224 -> 56
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, c, 7, 2, 3, bias=False), nn.BatchNorm2d(c),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        else:  # small images keep their resolution
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c),
+                                      nn.ReLU(inplace=True))
+        blocks: list[nn.Module] = []
+        for i, (n, w) in enumerate(zip(layers, widths)):
+            for j in range(n):
+                blocks.append(_Bottleneck(c, w, 2 if j == 0 and i > 0 else 1))
+                c = 4 * w
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
 
 
 class _CausalBlock(nn.Module):

@@ -77,6 +77,18 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     seconds
     per_length, length_fit, fitted_lengths   as for ``find`` (with --seq-lens the other keys
                               are the plan at the longest length)
+    generation                with --prompt-lens / --new-tokens: {prompt_lengths, new_tokens, rows
+                                [{prompt_length, new_tokens, batch_size, limited_by, prefill_batch_size,
+                                decode_batch_size}], seconds} (the other keys: its smallest batch) | null
+    cluster                   with a list of GPUs (--gpu A,B,...): {global_batch_size (samples per
+                                optimizer step, all ranks), speeds_from "table"|"given", target, device,
+                                speedup (predicted step time of equal shares over these, by the same
+                                speeds), evaluations (fake steps run), seconds,
+                                ranks [{rank, gpu, capacity_bytes, limit_bytes, share, micro_batch_size,
+                                accumulation, max_micro_batch_size (its memory's), speed, time (its
+                                share / speed over the slowest rank's), required_bytes (at
+                                max_micro_batch_size)}]} (the other keys: the GPU with the smallest
+                                batch) | null
 
 ``train`` (``run.json``, and ``batchpilot train --json``)::
 
@@ -156,7 +168,8 @@ __all__ = [
 #: ``alloc_retries``; ``train`` gained ``split``, per-step ``micro_batch_reason`` and per-change ``reason``;
 #: ``find`` gained ``verified``, ``base_bytes`` and per-trial ``end_bytes``, and ``memory`` on a real
 #: CPU names the binding limit's figure (``"address_space"``, ``"cgroup"`` or ``"resident"``);
-#: ``plan`` gained ``generation`` (generate()'s table with ``--prompt-lens`` / ``--new-tokens``, else null).
+#: ``plan`` gained ``generation`` (generate()'s table with ``--prompt-lens`` / ``--new-tokens``, else null)
+#: and ``cluster`` (each rank's share with a list of GPUs, else null).
 SCHEMA_VERSION = 2
 
 _PLAN_KEYS = frozenset({
@@ -175,8 +188,13 @@ SCHEMAS: dict[str, frozenset[str]] = {
     "find": _JOB_KEYS | _PLAN_KEYS | _LENGTH_KEYS | {"device"},
     "plan": _JOB_KEYS | _LENGTH_KEYS | {
         "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "estimate",
-        "next_required_bytes", "evaluations", "seconds", "world_size", "sharding", "generation",
+        "next_required_bytes", "evaluations", "seconds", "world_size", "sharding", "generation", "cluster",
     },
+    #: a list of GPUs: each rank's share of one global batch (null otherwise)
+    "plan.cluster": frozenset({"global_batch_size", "speeds_from", "target", "device", "speedup", "evaluations",
+                               "seconds", "ranks"}),
+    "plan.cluster.rank": frozenset({"rank", "gpu", "capacity_bytes", "limit_bytes", "share", "micro_batch_size",
+                                    "accumulation", "max_micro_batch_size", "speed", "time", "required_bytes"}),
     #: ``--prompt-lens`` / ``--new-tokens``: generate()'s table (null without them)
     "plan.generation": frozenset({"prompt_lengths", "new_tokens", "rows", "seconds"}),
     "plan.generation.row": frozenset({"prompt_length", "new_tokens", "batch_size", "limited_by",

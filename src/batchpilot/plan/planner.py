@@ -631,7 +631,7 @@ def _sharded(cfg: _Config, shard_fn: Callable[[nn.Module, Any], Any] | None) -> 
 
 
 def _search_boundary(
-    cost: Callable[[int], int], limit: int, max_batch_size: int, probe: int = 1024, known: dict[int, int] | None = None
+    cost: Callable[[int], int], limit: int, max_batch_size: int, probe: int = 1024
 ) -> tuple[int, dict[int, int]]:
     """Largest ``b <= max_batch_size`` with ``cost(b) <= limit`` and ``cost(b + 1) > limit``.
 
@@ -644,13 +644,10 @@ def _search_boundary(
     batch takes four evaluations; the steps the CUDA allocator model adds
     cost a few more.
 
-    ``known`` costs (from a search for another limit on the same step) replace the probe: the
-    first secant step runs on the known sizes nearest the limit on either side.
-
     Returns:
         ``(b, {batch size: cost})``; ``b`` is 0 when ``cost(1) > limit``.
     """
-    seen: dict[int, int] = {b: c for b, c in (known or {}).items() if 1 <= b <= max_batch_size}
+    seen: dict[int, int] = {}
 
     def f(b: int) -> int:
         if b not in seen:
@@ -672,14 +669,9 @@ def _search_boundary(
             hi = min(hi, b)
         return fits
 
-    for b in sorted(seen):
-        update(b)
-    if hi > max_batch_size:  # nothing known fails: probe
-        anchor = min(max_batch_size, max(2, probe))
-        update(anchor)
-        line = (1, anchor)
-    else:  # the known sizes nearest the limit on either side
-        line = (lo, hi)
+    anchor = min(max_batch_size, max(2, probe))
+    update(anchor)
+    line = (1, anchor)
     for _ in range(4):  # secant steps: exact on a line, quick on a convex curve
         if hi - lo <= 1:
             break
@@ -825,8 +817,7 @@ def _plan_on(setup: _FakeSetup, cfg: _Config, estimates: dict[int, MemoryEstimat
             estimates[b] = _measure(setup, cfg, b)
         return estimates[b].required_bytes
 
-    known = {b: e.required_bytes for b, e in estimates.items()}
-    best, _ = _search_boundary(cost, limit, max_batch_size, known=known)
+    best, _ = _search_boundary(cost, limit, max_batch_size)
     nxt = best + 1
     if nxt <= max_batch_size:
         cost(nxt)
@@ -849,8 +840,9 @@ def _plan_cluster(model: nn.Module, optimizer: Any, capacities: list[Any], optio
     n = len(capacities)
     if n == 0:
         raise ValueError("capacity is an empty list: give one capacity or named GPU per rank")
-    if global_batch_size is not None:
-        positive_int("global_batch_size", global_batch_size)
+    if global_batch_size is not None and positive_int("global_batch_size", global_batch_size) < n:
+        raise ValueError(f"global_batch_size={global_batch_size} cannot give {n} ranks a sample each: make it at "
+                         f"least {n}")
     resolved = [_resolve_capacity(c, device) for c in capacities]
     if device is None and len({d for _, d, _ in resolved}) > 1:  # named GPUs beside sizes: all of them CUDA
         resolved = [_resolve_capacity(c, "cuda") for c in capacities]
@@ -899,9 +891,7 @@ def _plan_cluster(model: nn.Module, optimizer: Any, capacities: list[Any], optio
                 "need less memory per sample (mixed precision, activation checkpointing)",
                 batch_size=1, peak_bytes=need, limit_bytes=plan.limit, capacity_bytes=plan.capacity)
     shares = rank_shares(global_batch_size, speeds, [p.batch_size for p in per_rank])
-    ranks = tuple(RankPlan(rank=s.rank, gpu=p.gpu, capacity=p.capacity, share=s.share, micro_batch=s.micro_batch,
-                           accumulation=s.accumulation, max_micro_batch=s.max_micro_batch, speed=s.speed,
-                           time=s.time, plan=p) for s, p in zip(shares, per_rank))
+    ranks = tuple(RankPlan(**dataclasses.asdict(s), gpu=p.gpu, capacity=p.capacity, plan=p) for s, p in zip(shares, per_rank))
     result = ClusterPlanResult(
         global_batch_size=sum(r.share for r in ranks), ranks=ranks, speeds_from=speeds_from, target=target,
         device=cluster_device, seconds=time.perf_counter() - start, evaluations=sum(len(m) for m in memo.values()))

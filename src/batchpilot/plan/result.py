@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..memory.units import format_bytes
-from ..policy.shares import step_seconds
+from ..policy.shares import RankShare, step_seconds
 
 __all__ = ["PlanningError", "MemoryEstimate", "PlanResult", "RankPlan", "ClusterPlanResult"]
 
@@ -134,24 +134,12 @@ class PlanResult:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankPlan:
-    """One rank of a mixed cluster: its GPU, its largest micro-batch, and its share of the global batch.
+class RankPlan(RankShare):
+    """One rank of a mixed cluster: its share (the fields of :class:`~batchpilot.policy.shares.RankShare`),
+    its GPU, and the plan that gave its largest micro-batch (``max_micro_batch == plan.batch_size``)."""
 
-    ``share`` samples per optimizer step, run as ``accumulation`` micro-batches of at most
-    ``micro_batch`` (balanced: they differ by at most one sample); ``max_micro_batch`` is what
-    its memory allows (``plan.batch_size``). ``speed`` is the figure the share is proportional to
-    and ``time`` the rank's ``share / speed`` over the slowest rank's (1.0 sets the pace).
-    """
-
-    rank: int
     gpu: str | None
     capacity: int
-    share: int
-    micro_batch: int
-    accumulation: int
-    max_micro_batch: int
-    speed: float
-    time: float
     plan: PlanResult
 
     def to_dict(self) -> dict[str, Any]:

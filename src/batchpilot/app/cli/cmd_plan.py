@@ -1,4 +1,5 @@
-"""``batchpilot plan``: the batch size for a capacity or a named GPU, without the device."""
+"""``batchpilot plan``: the batch size for a capacity or a named GPU, without the device; with a list
+of GPUs (``--gpu A6000-48GB,RTX2080Ti-11GB``), each rank's share of one global batch."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from ...plan.generation import GenerationPlanResult, plan_generation
 from ...plan.gpus import GPUS, gpu_spec
 from ...plan.lengths import LengthPlanResult, plan_per_length
 from ...plan.planner import plan_batch_size
-from ...plan.result import PlanningError, PlanResult
+from ...plan.result import ClusterPlanResult, PlanningError, PlanResult
 from ...policy.search import NothingFitsError
 from .. import report
 from ..trainjob import make_optimizer
 from .common import (
     UsageError, add_fit_options, add_length_options, add_model_options, add_verbose, byte_size, lengths, positive_int,
+    speeds,
 )
 from .workload import Workload
 
@@ -46,7 +48,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     mx = where.add_mutually_exclusive_group(required=True)
     mx.add_argument("--capacity", metavar="SIZE", type=byte_size,
                     help="memory to plan for, e.g. 80GiB, 24GB, 512MiB or a number of bytes")
-    mx.add_argument("--gpu", metavar="NAME", help="a named GPU, e.g. H100-80GB (implies --device cuda)")
+    mx.add_argument("--gpu", metavar="NAME[,NAME...]",
+                    help="a named GPU, e.g. H100-80GB (implies --device cuda); a comma-separated list, one per rank "
+                         "(e.g. A6000-48GB,A6000-48GB,RTX2080Ti-11GB,RTX2080Ti-11GB), plans a data-parallel job "
+                         "over GPUs that differ: each rank's micro-batch, accumulation and share of one global batch")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="whose memory accounting to model: cpu (exact tensor bytes) or cuda (allocator rounding, "
                         "workspaces, context). Default: cuda with --gpu, else cpu")
@@ -64,6 +69,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        help="shard the model with FSDP2 (fully_shard each block, then the root) and plan one rank")
     shard.add_argument("--world-size", metavar="N", type=positive_int, default=None,
                        help="ranks to shard over with --fsdp (default 1); the batch size is per rank")
+    mixed = p.add_argument_group("a mixed cluster (with a list of GPUs in --gpu)")
+    mixed.add_argument("--global-batch-size", metavar="N", type=positive_int, default=None,
+                       help="samples per optimizer step over all ranks, split by speed (default: the largest that "
+                            "every rank takes in one micro-batch)")
+    mixed.add_argument("--speeds", metavar="S1,S2,...", type=speeds, default=None,
+                       help="one figure per rank proportional to its samples/s, e.g. 1,1,0.4,0.4 (default: the GPU "
+                            "table's peak dense FP16 tensor TFLOPS)")
     p.add_argument("--steps", metavar="N", type=positive_int, default=2,
                    help="training steps per estimate; 2 or more count the optimizer state (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print only the JSON plan on stdout")
@@ -73,13 +85,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def plan_document(workload: Workload, result: PlanResult, lengths: LengthPlanResult | None = None,
-                  generation: GenerationPlanResult | None = None) -> dict[str, Any]:
+                  generation: GenerationPlanResult | None = None,
+                  cluster: ClusterPlanResult | None = None) -> dict[str, Any]:
     """The ``plan`` JSON document (schema in :mod:`batchpilot.app.report`); with ``lengths``, at the longest;
-    with ``generation``, the table per (prompt length, new tokens), and the rest for its smallest batch."""
+    with ``generation``, the table per (prompt length, new tokens), and the rest for its smallest batch; with
+    ``cluster``, each rank's share, and the rest for the GPU with the smallest batch."""
     est = result.estimate
     return {
         **report.length_record(lengths),
         "generation": None if generation is None else generation.to_dict(),
+        "cluster": None if cluster is None else cluster.to_dict(),
         "schema_version": report.SCHEMA_VERSION,
         "command": "plan",
         **workload.describe(),
@@ -146,13 +161,9 @@ def _human(doc: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     workload = Workload(model_spec=args.model, input_shape=args.input_shape, num_classes=args.num_classes,
                         optimizer=args.optimizer, amp=args.amp)
-    if args.gpu is not None:
-        try:
-            gpu_spec(args.gpu)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        if args.device == "cpu":
-            raise UsageError("--gpu plans for a CUDA device; drop --device cpu")
+    gpus = _gpu_list(args)
+    if gpus is not None:
+        return _run_cluster(args, workload, gpus)
     if args.world_size is not None and args.world_size > 1 and not args.fsdp:
         raise UsageError(f"--world-size {args.world_size} needs --fsdp: a data-parallel (DDP) rank holds the whole "
                          "model, so its plan is the one without --world-size")
@@ -188,6 +199,61 @@ def run(args: argparse.Namespace) -> int:
             batch_size=1, peak_bytes=need, limit_bytes=result.limit, capacity_bytes=result.capacity,
         )
     return _print(args, doc)
+
+
+def _gpu_list(args: argparse.Namespace) -> list[str] | None:
+    """The GPUs of a mixed cluster (``--gpu`` with a comma), or ``None`` for one GPU; names checked early."""
+    names = [] if args.gpu is None else [n.strip() for n in args.gpu.split(",")]
+    for name in names:
+        try:
+            gpu_spec(name)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if names and args.device == "cpu":
+        raise UsageError("--gpu plans for a CUDA device; drop --device cpu")
+    if len(names) > 1:
+        return names
+    if args.global_batch_size is not None or args.speeds is not None:
+        raise UsageError("--global-batch-size and --speeds split a batch over ranks that differ: give --gpu a list, "
+                         "one GPU per rank (e.g. --gpu A6000-48GB,A6000-48GB,RTX2080Ti-11GB,RTX2080Ti-11GB)")
+    return None
+
+
+def _run_cluster(args: argparse.Namespace, workload: Workload, gpus: list[str]) -> int:
+    clash = [flag for flag, on in (("--seq-lens", args.seq_lens is not None), ("--prompt-lens", args.prompt_lens is not None),
+                                   ("--new-tokens", args.new_tokens is not None),
+                                   ("--world-size", args.world_size is not None)) if on]
+    if clash:
+        raise UsageError(f"{', '.join(clash)} cannot go with a list of GPUs: the mixed-cluster plan is of one training "
+                         "step at --input-shape, one rank per GPU (with --fsdp the world size is the list's length)")
+    if args.speeds is not None and len(args.speeds) != len(gpus):
+        raise UsageError(f"--speeds has {len(args.speeds)} figures for {len(gpus)} GPUs: give one per rank")
+    model = workload.build_model()
+    workload.check(model)
+    optimizer_name = workload.optimizer
+    try:
+        cluster = plan_batch_size(
+            model, lambda b: workload.make_batch(b), capacity=gpus, target=args.target,
+            optimizer=lambda params: make_optimizer(optimizer_name, params, lr=1e-3), steps=args.steps,
+            amp=workload.amp, device=args.device, max_batch_size=args.max_batch_size or 1 << 20,
+            sharding="fsdp2" if args.fsdp else None, global_batch_size=args.global_batch_size, speeds=args.speeds)
+    except PlanningError as exc:
+        raise UsageError(f"cannot plan this model on fake tensors: {exc}") from None
+    except ValueError as exc:
+        if isinstance(exc, NothingFitsError):
+            raise
+        raise UsageError(str(exc)) from None
+    assert isinstance(cluster, ClusterPlanResult)
+    smallest = min(cluster.ranks, key=lambda r: r.max_micro_batch).plan
+    doc = plan_document(workload, smallest, cluster=cluster)
+    doc["seconds"] = cluster.seconds
+    if args.json:
+        print(report.to_json(doc))
+    else:
+        print(f"plan for {doc['model']} with input {'x'.join(map(str, doc['input_shape']))} on {len(gpus)} GPUs\n")
+        print(cluster.describe())
+    sys.stdout.flush()
+    return 0
 
 
 def _print(args: argparse.Namespace, doc: dict[str, Any]) -> int:

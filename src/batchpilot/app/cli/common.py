@@ -24,6 +24,7 @@ __all__ = [
     "speed_fraction",
     "positive_float",
     "byte_size",
+    "speeds",
     "shape",
     "lengths",
     "add_model_options",
@@ -105,6 +106,15 @@ def speed_fraction(text: str) -> float:
     return value
 
 
+def speeds(text: str) -> tuple[float, ...]:
+    """argparse type: one positive number per rank such as ``1,1,0.4,0.4``."""
+    try:
+        values = tuple(positive_float(p) for p in text.split(","))
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"expected one positive number per rank like 1,1,0.4,0.4: {exc}") from None
+    return values
+
+
 def byte_size(text: str) -> int:
     """argparse type: a memory size such as ``2GiB``, ``512MiB`` or a number of bytes."""
     try:
@@ -168,7 +178,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument(
         "--model", metavar="SPEC", default=None,
-        help="the model: a built-in name (mlp, cnn, transformer), MODULE:FUNCTION, or path/to/file.py:FUNCTION "
+        help="the model: a built-in name (mlp, cnn, transformer, resnet50: ResNet-50, 3,224,224 by default), MODULE:FUNCTION, or path/to/file.py:FUNCTION "
              "naming a factory that returns an nn.Module (it is given num_classes= and input_shape= if its "
              "signature takes them). Default: mlp for a 1-dim --input-shape, cnn for a 3-dim one",
     )

@@ -1,6 +1,6 @@
 """What ``find`` and ``plan`` size a batch for: a model from ``--model``, its inputs, loss and optimizer.
 
-``--model`` is a built-in name (``mlp``, ``cnn``, ``transformer``), ``MODULE:FUNCTION``
+``--model`` is a built-in name (``mlp``, ``cnn``, ``transformer``, ``resnet50``), ``MODULE:FUNCTION``
 (imported like ``python -m``: the current directory comes first), or
 ``path/to/file.py:FUNCTION`` (loaded from the file).
 The function is a factory returning an ``nn.Module``; it is called with the keyword
@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ...core.amp import AMP_MODES
-from ..models import MLP, SmallCNN, TransformerBlockModel
+from ..models import MLP, ResNet, SmallCNN, TransformerBlockModel
 from ..trainjob import call_model_factory, check_model, make_optimizer
 from .common import OPTIMIZERS, UsageError
 
 __all__ = ["Workload", "load_factory", "BUILTIN_MODELS", "DEFAULT_INPUT_SHAPE"]
 
-BUILTIN_MODELS = ("mlp", "cnn", "transformer")
+BUILTIN_MODELS = ("mlp", "cnn", "transformer", "resnet50")
 DEFAULT_INPUT_SHAPE = (3, 32, 32)
 _TRANSFORMER_SEQ_LEN = 32
 
@@ -122,9 +122,9 @@ class Workload:
             self.model_spec = "mlp" if len(shape) == 1 else "cnn"
         if self.input_shape is None:
             self.input_shape = {
-                "mlp": (64,), "transformer": (_TRANSFORMER_SEQ_LEN,)
+                "mlp": (64,), "transformer": (_TRANSFORMER_SEQ_LEN,), "resnet50": (3, 224, 224),
             }.get(self.model_spec, DEFAULT_INPUT_SHAPE)
-        expected = {"mlp": 1, "cnn": 3, "transformer": 1}.get(self.model_spec)
+        expected = {"mlp": 1, "cnn": 3, "transformer": 1, "resnet50": 3}.get(self.model_spec)
         if expected is not None and len(self.input_shape) != expected:
             raise UsageError(
                 f"--model {self.model_spec} takes a {expected}-dim --input-shape, got "
@@ -151,6 +151,8 @@ class Workload:
             return SmallCNN(in_channels=shape[0], num_classes=classes)
         if spec == "transformer":
             return TransformerBlockModel(seq_len=shape[0], num_classes=classes)
+        if spec == "resnet50":
+            return ResNet(num_classes=classes, in_channels=shape[0])
         return call_model_factory(load_factory(spec), num_classes=classes, input_shape=shape)
 
     def make_batch(self, batch_size: int, *, generator: torch.Generator | None = None,
@@ -170,7 +172,7 @@ class Workload:
         Raises:
             UsageError: the built-in MLP or CNN, whose inputs have no sequence.
         """
-        if self.model_spec in ("mlp", "cnn"):
+        if self.model_spec in ("mlp", "cnn", "resnet50"):
             raise UsageError(f"--seq-lens needs a model whose inputs are sequences: --model transformer, or your own "
                              f"--model with --input-shape LENGTH,...; the built-in {self.model_spec} has none")
         assert self.input_shape is not None

@@ -1,0 +1,107 @@
+"""Shares of one global batch over ranks that differ: proportional to speed, integers that add up, optimal."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from batchpilot.policy.shares import balanced_total, check_speeds, rank_shares, split_shares, step_seconds
+
+
+def best_makespan(total: int, speeds: list[float], caps: list[int | None]) -> float:
+    """The least ``max(share / speed)`` over every split with shares >= 1 (brute force, small totals)."""
+    best = float("inf")
+    for head in itertools.product(range(1, total + 1), repeat=len(speeds) - 1):
+        last = total - sum(head)
+        shares = [*head, last]
+        if last < 1 or any(c is not None and n > c for n, c in zip(shares, caps)):
+            continue
+        best = min(best, step_seconds(shares, speeds))
+    return best
+
+
+def test_shares_are_proportional_to_speed_and_add_up():
+    assert split_shares(512, [3, 1]) == [384, 128]
+    assert split_shares(10, [1, 1, 1]) == [4, 3, 3]  # the remainder goes to the lowest rank on a tie
+    assert split_shares(1000, [154.8, 154.8, 53.8, 53.8]) == [371, 371, 129, 129]
+    assert split_shares(7, [1.0]) == [7]
+
+
+def test_every_rank_keeps_at_least_one_sample():
+    assert split_shares(100, [1000, 1]) == [99, 1]
+    assert split_shares(3, [1, 1, 1]) == [1, 1, 1]
+    with pytest.raises(ValueError, match="at least 3"):
+        split_shares(2, [1, 1, 1])
+
+
+def test_caps_send_the_excess_to_the_others_by_speed():
+    assert split_shares(100, [1, 1], caps=[10, None]) == [10, 90]
+    assert split_shares(100, [2, 1, 1], caps=[20, None, None]) == [20, 40, 40]
+    with pytest.raises(ValueError, match="at most 30"):
+        split_shares(31, [1, 1], caps=[10, 20])
+    with pytest.raises(ValueError, match="below floors"):
+        split_shares(31, [1, 1], caps=[0 + 1, None], floors=[2, 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_split_minimises_the_slowest_ranks_time(seed):
+    rng = random.Random(seed)
+    for _ in range(15):
+        n = rng.randint(2, 3)
+        speeds = [rng.choice([0.3, 1.0, 1.7, 2.5, 4.0]) for _ in range(n)]
+        caps = [rng.choice([None, rng.randint(3, 12)]) for _ in range(n)]
+        total = rng.randint(n, 18)
+        if all(c is not None for c in caps) and sum(caps) < total:
+            continue
+        shares = split_shares(total, speeds, caps=caps)
+        assert sum(shares) == total and min(shares) >= 1
+        assert all(c is None or s <= c for s, c in zip(shares, caps))
+        assert step_seconds(shares, speeds) == pytest.approx(best_makespan(total, speeds, caps))
+
+
+def test_a_large_global_batch_splits_fast_and_exactly():
+    speeds = [random.Random(1).uniform(0.5, 3) for _ in range(64)]
+    shares = split_shares(10**9, speeds)
+    assert sum(shares) == 10**9
+    ideal = [10**9 * s / sum(speeds) for s in speeds]
+    assert max(abs(a - b) for a, b in zip(shares, ideal)) < 1
+
+
+def test_balanced_total_is_set_by_the_rank_with_least_memory_per_speed():
+    assert balanced_total([3, 1], [800, 170]) == [510, 170]  # rank 1 sets the pace at its largest micro-batch
+    assert balanced_total([1, 1], [800, 170]) == [170, 170]  # alike in speed: equal shares
+    assert balanced_total([154.8, 53.8], [799, 171]) == [492, 171]
+    assert balanced_total([100, 1], [50, 50]) == [50, 1]  # never past a rank's own memory, never below 1
+
+
+def test_rank_shares_run_a_share_larger_than_memory_as_balanced_micro_batches():
+    plan = rank_shares(1000, [3, 1], [200, 100])
+    assert [r.share for r in plan] == [750, 250]
+    assert [(r.micro_batch, r.accumulation) for r in plan] == [(188, 4), (84, 3)]  # 188+188+187+187, 84+83+83
+    assert [r.max_micro_batch for r in plan] == [200, 100]
+    assert max(r.time for r in plan) == 1.0 and min(r.time for r in plan) == pytest.approx(1.0)
+    plan = rank_shares(None, [3, 1], [200, 100])
+    assert [(r.share, r.accumulation) for r in plan] == [(200, 1), (66, 1)]  # rank 0's memory sets the pace
+
+
+@pytest.mark.parametrize("speeds, needle", [
+    ([], "empty"), ([1, 0], "positive"), ([1, float("nan")], "positive"), ("fast", "sequence"), ([1, -2], "positive"),
+])
+def test_bad_speeds_are_refused(speeds, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_speeds(speeds)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="3 speeds for 2 ranks"):
+        check_speeds([1, 2, 3], 2)
+    with pytest.raises(ValueError, match="positive int"):
+        split_shares(0, [1, 1])
+    with pytest.raises(ValueError, match="one per rank"):
+        split_shares(10, [1, 1], caps=[5])
+    with pytest.raises(ValueError, match="max_micro"):
+        rank_shares(10, [1, 1], [5, 0])
+    with pytest.raises(ValueError, match="one per rank"):
+        balanced_total([1, 1], [5])
