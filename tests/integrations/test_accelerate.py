@@ -180,6 +180,9 @@ def test_two_processes_agree_on_the_smaller_ranks_batch_and_hold_the_global_batc
     assert r0["limited_by_rank"] == 1
     # rank 0 alone fits more than the agreed size: its own trials went past it
     assert max(b for b, outcome in r0["trials"] if outcome == "fit") > r0["found_batch_size"]
+    # and it says, in one line, why it keeps the smaller size (Accelerate's sampler cannot take uneven shares)
+    said = [ln for ln in proc.stderr.splitlines() if "uneven shares cannot be handed out" in ln]
+    assert len(said) == 1 and "Accelerate gives every rank the same per-device batch" in said[0], proc.stderr[-3000:]
     assert r0["micro_batch_size"] <= r0["found_batch_size"]
     assert r0["micro_batch_size"] * 2 * r0["accum_steps"] == r0["global_batch_size"] == 256
     # every optimizer step saw the whole global batch: 128 samples on each of the two ranks

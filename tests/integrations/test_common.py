@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 
 from batchpilot.find.options import FindOptions
+from batchpilot.find.result import BatchPlan
 from batchpilot.integrations import BatchSetup, SizingOptions
-from batchpilot.integrations._common import choose_batches
-from batchpilot.policy.search import BatchSizeError
+from batchpilot.integrations._common import choose_batches, note_equal_shares
+from batchpilot.policy.search import BatchSizeError, Trial
 
 FRAMEWORKS = ("lightning", "transformers", "accelerate", "lm_eval")
 
@@ -170,3 +172,19 @@ for name in {present!r}:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == present
+
+
+def test_equal_shares_are_said_only_on_a_rank_that_fits_more(caplog):
+    def plan(agreed: int, fits: list[int]) -> BatchPlan:
+        trials = [Trial(batch_size=b, outcome="fit", peak_bytes=1000 * b) for b in fits]
+        return BatchPlan(batch_size=agreed, target=0.8, capacity=1 << 20, limit_bytes=1 << 19, strategy="predict",
+                         device="cpu", trials=trials, limited_by_rank=1)
+
+    with caplog.at_level(logging.WARNING, logger="batchpilot.integrations._common"):
+        assert not note_equal_shares(plan(64, [32, 64]), 2, "Accelerate", "its sampler")  # this rank set the size
+        assert not note_equal_shares(plan(64, [32, 96]), 1, "Accelerate", "its sampler")  # one process: no ranks
+        assert not note_equal_shares(None, 2, "Lightning", "its sampler")  # nothing searched
+        assert caplog.text == ""
+        assert note_equal_shares(plan(64, [32, 96]), 2, "Lightning", "its DistributedSampler")
+    assert caplog.text.count("\n") == 1
+    assert "fits a batch of 96 but takes 64, rank 1's: Lightning gives every rank the same per-device batch" in caplog.text

@@ -17,7 +17,8 @@ from ..policy.microbatch import accum_steps as micro_batches, balanced_sizes
 from ..policy.schedule import LR_SCALE_RULES
 from ..train.batching import BatchConfig, config_for_limit, is_adaptive
 
-__all__ = ["BatchSetup", "SizingOptions", "require", "require_installed", "choose_batches", "count_sizes", "lr_rule_for"]
+__all__ = ["BatchSetup", "SizingOptions", "require", "require_installed", "choose_batches", "count_sizes", "lr_rule_for",
+           "note_equal_shares"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,3 +240,24 @@ def choose_batches(found: int, *, world_size: int, global_batch_size: int | None
     per_rank = BatchConfig(global_batch_size=global_batch_size, world_size=world_size).micro_batch_size
     sizes = tuple(balanced_sizes(per_rank, micro_batches(per_rank, found)))
     return sizes[0], len(sizes), per_rank, sizes
+
+
+def note_equal_shares(plan: BatchPlan | None, world_size: int, framework: str, sampler: str) -> bool:
+    """Say, in one line, that this rank fits more than the size all ranks agreed on and why it keeps it.
+
+    A framework whose sampler gives every rank the same per-device batch (``sampler`` names it)
+    cannot take uneven shares: a rank with a larger batch would run fewer steps per epoch than
+    the others (and wait for them in a collective), and its samples would weigh less in the
+    averaged gradient. So the smallest rank's size stays everyone's, as before; this says so on
+    the ranks it holds back (logged at WARNING, once per sizing). Returns whether it did.
+    """
+    if plan is None or world_size <= 1:
+        return False
+    own = max((t.batch_size for t in plan.trials if t.outcome == "fit"), default=plan.batch_size)
+    if own <= plan.batch_size:
+        return False
+    logger.warning(
+        "batchpilot: this rank fits a batch of %d but takes %d, rank %s's: %s gives every rank the same per-device "
+        "batch (%s), so uneven shares cannot be handed out; the smallest rank's size is kept (docs/integrations.md"
+        "#uneven-ranks)", own, plan.batch_size, plan.limited_by_rank, framework, sampler)
+    return True

@@ -27,7 +27,7 @@ from ..find.options import FindOptions
 from ..find.result import BatchPlan
 from ..memory.oom import attempt
 from ..train.batching import BatchConfig
-from ._common import SizingOptions, require_installed
+from ._common import SizingOptions, note_equal_shares, require_installed
 
 # checked, not imported: a trial patches Accelerate's classes, imported then (the function the
 # decorator wraps builds its Accelerator anyway)
@@ -242,6 +242,7 @@ def find_executable_batch_size(
         size = plan.batch_size
         run.plan, run.batch_size = plan, size  # type: ignore[attr-defined]
         logger.info("batch size %d (limited by rank %s); running %s", size, plan.limited_by_rank, function.__name__)
+        note_equal_shares(plan, world_size(), "Accelerate", "a prepared DataLoader shards one batch sampler")
         while True:
             outcome = attempt(function, size, *args, **kwargs)
             if outcome.ok:

@@ -29,7 +29,7 @@ from ..find.result import BatchPlan
 from ..policy.search import NothingFitsError
 from ..train.batching import BatchConfig, rescale_lr
 from ..train.engine import Engine, StepResult
-from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require
+from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, note_equal_shares, require
 
 require("lightning", "batchpilot.integrations.lightning")
 
@@ -191,6 +191,7 @@ class BatchSizeCallback(Callback):
             except NothingFitsError as exc:
                 raise NothingFitsException.of(exc, type(self).__name__) from None
             found = plan.batch_size
+            note_equal_shares(plan, world, "Lightning", "its DistributedSampler gives each rank as many samples")
         micro, accum, per_rank, sizes = choose_batches(
             found, world_size=world, global_batch_size=opts.global_batch_size, accum_steps=accum,
             whole_micro_batches=not resilient,
