@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from batchpilot.policy.shares import balanced_total, check_speeds, rank_shares, split_shares, step_seconds
+from batchpilot.policy.shares import (
+    ShareBalancer, balanced_total, check_shares, check_speeds, equal_shares, rank_shares, split_shares, step_seconds,
+)
 
 
 def best_makespan(total: int, speeds: list[float], caps: list[int | None]) -> float:
@@ -105,3 +107,49 @@ def test_bad_arguments_are_refused():
         rank_shares(10, [1, 1], [5, 0])
     with pytest.raises(ValueError, match="one per rank"):
         balanced_total([1, 1], [5])
+
+
+# -- shares a user gives, and the runtime balancer ------------------------------------------------
+
+
+def test_check_shares_takes_shares_or_weights_and_refuses_the_rest_saying_how():
+    assert check_shares([24, 8], 32, 2) == (24, 8)
+    assert check_shares([3, 1], 32, 2) == (24, 8)
+    assert equal_shares(33, 2) == (17, 16)
+    for bad in ([3], [3, 0], [3.0, 1], [True, 1]):
+        with pytest.raises(ValueError, match=r'one positive int per rank \(2 ranks\).*shares=\[3, 1\]'):
+            check_shares(bad, 32, 2)
+
+
+def _feed(balancer: ShareBalancer, shares, rates, steps, outlier=None):
+    decision = None
+    for i in range(steps):
+        seconds = [s / r for s, r in zip(shares, rates)]
+        if outlier is not None and i == outlier[0]:
+            seconds[outlier[1]] *= 20  # one step of one rank 20x slower: an anecdote
+        decision = balancer.observe(shares, shares, seconds)
+    return decision
+
+
+def test_the_balancer_moves_to_proportional_shares_after_a_window_and_not_on_one_slow_step():
+    balancer = ShareBalancer(window=5, skip=1)
+    # rank 1 at half rank 0's speed, measured over 1 warm-up + 4 steps: no decision yet
+    assert not _feed(balancer, (16, 16), (200.0, 100.0), 5).changed
+    decision = _feed(balancer, (16, 16), (200.0, 100.0), 1)
+    assert decision.changed and decision.shares == (22, 10)
+    assert decision.predicted == pytest.approx(max(22 / 200, 10 / 100))
+    # alike ranks with one outlier step in the window: the median keeps the shares
+    balancer = ShareBalancer(window=5, skip=0)
+    decision = _feed(balancer, (16, 16), (100.0, 100.0), 5, outlier=(2, 1))
+    assert decision.rates == (100.0, 100.0) and not decision.changed
+
+
+def test_the_balancer_needs_a_clear_gain_and_ignores_short_steps():
+    balancer = ShareBalancer(window=3, skip=0, margin=0.05)
+    # 2% apart: not worth a move
+    assert not _feed(balancer, (16, 16), (102.0, 100.0), 3).changed
+    # a short batch (an epoch's last) is not counted
+    assert balancer.observe((16, 16), (5, 5), (0.1, 0.1)).reason.startswith("step not counted")
+    assert balancer.measured == 0
+    with pytest.raises(ValueError, match="window must be an int >= 3"):
+        ShareBalancer(window=1)

@@ -268,7 +268,7 @@ def test_state_dict_round_trip_and_contents() -> None:
     state = sampler.state_dict()
     assert state == {
         "version": 1, "epoch": 5, "consumed": 96, "batch_size": 8, "dataset_size": 100,
-        "seed": 11, "shuffle": True, "drop_last": True, "num_replicas": 4,
+        "seed": 11, "shuffle": True, "drop_last": True, "num_replicas": 4, "shares": None,
     }  # fmt: skip
     other = ElasticBatchSampler(100, 2, seed=11, num_replicas=4, rank=2, drop_last=True)
     other.load_state_dict(state)
@@ -590,3 +590,85 @@ def test_loader_batch_size_change_on_the_last_batch_ends_the_epoch() -> None:
             assert loader.sampler.pending_batches > 0
             loader.set_batch_size(8)
     assert len(got) == len(set(got)) == 15
+
+
+# -- uneven shares --------------------------------------------------------------------------------
+
+
+def _lockstep(samplers: list[ElasticBatchSampler], steps: int | None = None, change: dict | None = None) -> list[int]:
+    """Every rank takes one batch per step, as engine steps do; ``change[step]``: shares set on every rank first."""
+    seen: list[int] = []
+    iterators = [iter(s) for s in samplers]
+    step = 0
+    while steps is None or step < steps:
+        if change and step in change:
+            for s in samplers:
+                s.set_shares(change[step])
+            iterators = [iter(s) for s in samplers]
+        batches = [next(it, None) for it in iterators]
+        if all(b is None for b in batches):
+            break
+        assert all(b is not None for b in batches), "ranks ran out of batches at different steps"
+        for s, b in zip(samplers, batches):
+            s.mark_consumed()
+            seen.extend(b)
+        step += 1
+    return seen
+
+
+def test_shares_cut_each_global_batch_in_rank_order_and_the_tail_in_proportion():
+    samplers = [ElasticBatchSampler(50, 4, shuffle=False, num_replicas=2, rank=r, shares=[12, 4]) for r in (0, 1)]
+    first = [next(iter(s)) for s in samplers]
+    assert first == [list(range(12)), list(range(12, 16))]
+    assert [len(s) for s in samplers] == [4, 4]  # 3 global batches of 16 and a tail of 2
+    seen = _lockstep(samplers)
+    assert sorted(seen) == list(range(50))
+    assert samplers[0].state_dict()["consumed"] == 50 and samplers[0].state_dict()["shares"] == [12, 4]
+    # drop_last drops the short global batch
+    dropped = [ElasticBatchSampler(50, 4, num_replicas=2, rank=r, shares=[12, 4], drop_last=True) for r in (0, 1)]
+    assert len(_lockstep(dropped)) == 48
+
+
+def test_fewer_samples_than_ranks_at_the_end_pad_as_distributed_sampler_does():
+    samplers = [ElasticBatchSampler(33, 4, shuffle=False, num_replicas=3, rank=r, shares=[8, 4, 4]) for r in range(3)]
+    seen = _lockstep(samplers)
+    assert Counter(seen) == Counter(list(range(33)) + [0, 1])  # the tail of 1 padded to one sample per rank
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_changing_shares_mid_epoch_serves_every_sample_once(world):
+    """Equal batches first, then shares, then other shares, as an engine's rebalances go."""
+    samplers = [ElasticBatchSampler(101, 5, seed=4, num_replicas=world, rank=r) for r in range(world)]
+    a = [7] * (world - 1) + [2]
+    b = [1] + [9] * (world - 1)
+    seen = _lockstep(samplers, change={3: a, 6: b, 8: None})
+    assert sorted(seen) == list(range(101))
+
+
+def test_a_mid_epoch_state_with_shares_resumes_on_another_world_and_split():
+    samplers = [ElasticBatchSampler(97, 8, seed=2, num_replicas=2, rank=r, shares=[11, 5]) for r in (0, 1)]
+    before = _lockstep(samplers, steps=3)
+    state = samplers[1].state_dict()
+    assert state["consumed"] == 48
+    for world, shares in ((1, None), (3, [1, 2, 3]), (2, [5, 11])):
+        resumed = [ElasticBatchSampler(97, 8, seed=2, num_replicas=world, rank=r, shares=shares) for r in range(world)]
+        for s in resumed:
+            s.load_state_dict(state)
+        got = before + _lockstep(resumed)
+        # every sample once, and at most world - 1 pads (a tail shorter than the ranks)
+        assert set(got) == set(range(97)) and len(got) - 97 < world, (world, shares)
+
+
+def test_the_loader_follows_new_shares_from_the_next_batch():
+    data = TensorDataset(torch.arange(40))
+    loaders = [ElasticLoader(data, ElasticBatchSampler(40, 4, seed=1, num_replicas=2, rank=r)) for r in (0, 1)]
+    seen, sizes = [], []
+    for batches in zip(*loaders):
+        sizes.append([len(b[0]) for b in batches])
+        seen.extend(i for b in batches for i in b[0].tolist())
+        for loader in loaders:
+            loader.set_shares([6, 2])
+    assert sizes[0] == [4, 4] and sizes[1] == [6, 2]
+    assert sorted(seen) == list(range(40))
+    with pytest.raises(ValueError, match=r"one positive int per replica \(2\).*engine.shares"):
+        loaders[0].set_shares([8])

@@ -471,7 +471,7 @@ def test_state_dict_resumes_without_probing(monkeypatch):
             eng.step(next(data))
     state = eng.state_dict()
     # each part's state under a key of its own; the micro-batch is saved once, by its owner, the policy
-    assert set(state) == {"version", "steps", "global_batch", "micro_batch", "scaler", "noise", "lengths"}
+    assert set(state) == {"version", "steps", "global_batch", "micro_batch", "scaler", "noise", "lengths", "shares"}
     assert set(state["global_batch"]) == {"global_batch_size", "world_size", "samples", "reference_batch_size",
                                           "last_batch_change", "schedule"}
     assert set(state["micro_batch"]) == {"policy", "fit", "micro_cap"}

@@ -444,6 +444,7 @@ def find_batch_size_distributed(
     *,
     restore: Iterable[Any] = (),
     group: Any = None,
+    agree: bool = True,
     **options: Any,
 ) -> BatchPlan:
     """Run :func:`~batchpilot.find.finder.find_batch_size` on every rank and agree on the smallest answer.
@@ -463,6 +464,9 @@ def find_batch_size_distributed(
         step: ``step(batch_size)`` running one training step of the unwrapped model.
         restore: As :func:`~batchpilot.find.finder.find_batch_size`; DDP wrappers are unwrapped.
         group: The process group; ``None`` is the default group.
+        agree: ``False``: every rank keeps its own answer (uneven shares of a global batch, where
+            each rank runs its own micro-batch); failures are still agreed on, so a rank where
+            nothing fits stops every rank.
         **options: Any other keyword of :func:`~batchpilot.find.finder.find_batch_size` (``device``,
             ``target``, ``options``, and the fields of :class:`~batchpilot.find.options.FindOptions`:
             ``capacity``, ``strategy``, ``max_batch_size``...).
@@ -496,6 +500,9 @@ def find_batch_size_distributed(
     else:
         mine = _NOTHING_FITS if isinstance(error, NothingFitsError) else _FAILED
     agreed, who = agree_min_with_rank(mine, group=group)
+    if agreed > 0 and not agree:
+        assert plan is not None
+        return dataclasses.replace(plan, limited_by_rank=dist.get_rank(group) if is_distributed() else 0)
     if agreed > 0:
         assert plan is not None
         if agreed < plan.batch_size:

@@ -14,6 +14,9 @@ and every rank still runs exactly one optimizer step (one gradient all-reduce) p
   with shares proportional to speed (the plan when no global batch is given).
 * :func:`rank_shares` -- the whole per-rank plan: share, micro-batch, accumulation, and the
   time each rank needs relative to the others.
+* :func:`check_shares`, :func:`equal_shares` -- shares a user gives (or weights), and the equal split.
+* :class:`ShareBalancer` -- the runtime decision: every rank's measured step times (the same
+  numbers on every rank) in, new shares out once a window of steps says they are clearly faster.
 
 The same functions serve the planner (speeds from the GPU table or the user) and the runtime
 split (speeds measured per rank): pass samples/s or any figure proportional to it. They are
@@ -24,13 +27,15 @@ arguments gets the same split without a collective.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .._checks import check_int, positive_int
 from .microbatch import accum_steps
 
-__all__ = ["RankShare", "check_speeds", "split_shares", "balanced_total", "rank_shares", "step_seconds"]
+__all__ = ["RankShare", "check_speeds", "split_shares", "balanced_total", "rank_shares", "step_seconds",
+           "check_shares", "equal_shares", "ShareBalancer", "ShareDecision"]
 
 
 def check_speeds(speeds: Any, ranks: int | None = None, *, error: type[Exception] = ValueError) -> tuple[float, ...]:
@@ -207,3 +212,136 @@ def rank_shares(total: int | None, speeds: Sequence[float], max_micro: Sequence[
         out.append(RankShare(rank=i, share=n, micro_batch=accum_steps(n, k), accumulation=k, max_micro_batch=m,
                              speed=s, time=(n / s) / slowest))
     return out
+
+
+def equal_shares(total: int, world: int) -> tuple[int, ...]:
+    """``total`` over ``world`` ranks as evenly as integers allow, the larger shares first (``10, 3`` -> ``4, 3, 3``)."""
+    q, r = divmod(int(total), int(world))
+    return tuple(q + 1 if i < r else q for i in range(world))
+
+
+def check_shares(shares: Sequence[int], total: int, world: int) -> tuple[int, ...]:
+    """``shares`` as a tuple of ``world`` positive ints summing to ``total``.
+
+    A list whose sum differs from ``total`` is read as weights (``[3, 1]`` of 64 -> ``48, 16``).
+
+    Raises:
+        ValueError: not one positive int per rank, or ``total`` below one sample per rank.
+    """
+    items = list(shares)
+    if len(items) != world or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in items):
+        raise ValueError(
+            f"shares must be one positive int per rank ({world} ranks), got {items!r}: e.g. shares=[3, 1] "
+            "(weights, scaled to the global batch) or shares=\"auto\""
+        )
+    if sum(items) == total:
+        return tuple(items)
+    return tuple(split_shares(total, [float(s) for s in items]))
+
+
+@dataclass(frozen=True)
+class ShareDecision:
+    """What :meth:`ShareBalancer.observe` decided.
+
+    Attributes:
+        shares: the shares from the next step on (the current ones when nothing changes).
+        changed: whether they differ from the current ones.
+        rates: the median samples/s per rank the decision used (empty before a full window).
+        predicted: the predicted step time (the slowest rank's share over its rate) at ``shares``.
+        reason: one line for the log.
+    """
+
+    shares: tuple[int, ...]
+    changed: bool
+    rates: tuple[float, ...] = ()
+    predicted: float | None = None
+    reason: str = ""
+
+
+@dataclass
+class ShareBalancer:
+    """Shares proportional to each rank's measured samples/s, moved only when clearly faster.
+
+    Each step, every rank reports the seconds it spent on its share (forward and backward of its
+    micro-batches, no waiting on the others) and how many samples that was. After ``window``
+    steps at the same shares the balancer takes each rank's median rate (one slow step is an
+    anecdote, the median of ``window`` is a measurement), splits the global batch in proportion
+    to the rates, and moves there only when the predicted step time (the slowest rank's
+    share / rate) drops by more than ``margin``. A change of memory (an OOM that shrank a rank's
+    micro-batch, a growth) changes the rate: :meth:`reset` starts a new window.
+
+    Args:
+        window: steps measured per decision (the first ``skip`` after a change are not counted).
+        margin: fraction by which the predicted step time must fall to move the shares.
+        skip: steps after each change whose times are left out (warm-up at the new sizes).
+        minimum: the least share a rank may get.
+
+    Raises:
+        ValueError: ``window`` < 3, ``margin`` outside [0, 1), ``skip`` < 0 or ``minimum`` < 1.
+    """
+
+    window: int = 8
+    margin: float = 0.05
+    skip: int = 1
+    minimum: int = 1
+    _times: list[tuple[float, ...]] = field(default_factory=list, init=False, repr=False)
+    _samples: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
+    _skipped: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.window, int) and self.window >= 3):
+            raise ValueError(f"window must be an int >= 3 steps (a median of fewer is noise), got {self.window!r}")
+        if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 1):
+            raise ValueError(f"margin must be a fraction in [0, 1), got {self.margin!r}")
+        if not (isinstance(self.skip, int) and self.skip >= 0):
+            raise ValueError(f"skip must be an int >= 0, got {self.skip!r}")
+        if not (isinstance(self.minimum, int) and self.minimum >= 1):
+            raise ValueError(f"minimum must be an int >= 1, got {self.minimum!r}")
+
+    @property
+    def measured(self) -> int:
+        """Steps in the current window."""
+        return len(self._times)
+
+    def reset(self) -> None:
+        """Start a new window (the shares or a rank's micro-batch changed)."""
+        self._times.clear()
+        self._samples.clear()
+        self._skipped = 0
+
+    def observe(self, shares: Sequence[int], samples: Sequence[int], seconds: Sequence[float]) -> ShareDecision:
+        """One step's per-rank ``samples`` and ``seconds`` at ``shares``; the shares of the next step.
+
+        A step where some rank did not take its full share (an epoch's last batch) or reported
+        no time is not counted.
+        """
+        current = tuple(int(s) for s in shares)
+        full = tuple(int(n) for n in samples) == current
+        if not full or not all(t > 0 for t in seconds):
+            return ShareDecision(current, False, reason="step not counted (short batch or no time)")
+        if self._skipped < self.skip:
+            self._skipped += 1
+            return ShareDecision(current, False, reason="warm-up step at new shares")
+        self._times.append(tuple(float(t) for t in seconds))
+        self._samples.append(current)
+        if len(self._times) < self.window:
+            return ShareDecision(current, False, reason=f"measuring ({len(self._times)} of {self.window} steps)")
+        world = len(current)
+        rates = tuple(statistics.median(s[r] / t[r] for s, t in zip(self._samples, self._times)) for r in range(world))
+        self.reset()
+        return self.decide(current, rates)
+
+    def decide(self, current: Sequence[int], rates: Sequence[float]) -> ShareDecision:
+        """The shares for per-rank ``rates`` (samples/s), or ``current`` when they are not faster by ``margin``."""
+        current = tuple(int(s) for s in current)
+        total = sum(current)
+        proposal = tuple(split_shares(total, list(rates), floors=[self.minimum] * len(current)))
+        now = max(s / r for s, r in zip(current, rates))
+        then = max(s / r for s, r in zip(proposal, rates))
+        rates_text = ", ".join(f"{r:.4g}" for r in rates)
+        if proposal != current and then < now * (1 - self.margin):
+            return ShareDecision(proposal, True, tuple(rates), then,
+                                 f"shares {list(current)} -> {list(proposal)}: samples/s per rank {rates_text}, "
+                                 f"predicted step {now:.4g}s -> {then:.4g}s")
+        return ShareDecision(current, False, tuple(rates), now,
+                             f"shares {list(current)} kept: samples/s per rank {rates_text}")

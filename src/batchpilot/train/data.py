@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from .._checks import check_int
 from ..core.ranks import known_rank, world_size as _default_world_size
+from ..policy.shares import split_shares
 
 __all__ = ["ElasticBatchSampler", "ElasticLoader"]
 
@@ -86,6 +87,8 @@ class ElasticBatchSampler(Sampler[list[int]]):
             ``$WORLD_SIZE``, else ``$SLURM_NTASKS``, else 1.
         rank: This rank. Default: the process group, else ``$RANK``, else ``$SLURM_PROCID``,
             else 0 when ``num_replicas`` is 1.
+        shares: Uneven shares of each global batch, one int per rank (``Engine.shares`` of an
+            engine built with ``shares=``); ``batch_size`` is then unused. See :meth:`set_shares`.
 
     Raises:
         ValueError: A size is not a positive int, ``rank`` is outside ``[0, num_replicas)``,
@@ -103,6 +106,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
+        shares: list[int] | tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self._dataset_size = check_int(
@@ -133,12 +137,17 @@ class ElasticBatchSampler(Sampler[list[int]]):
         # Samples this rank has consumed since _seg_start.
         self._consumed = 0
         # Sizes of batches handed out and not yet consumed, oldest first (DataLoader keeps order).
-        self._pending: deque[int] = deque()
+        # (samples on this rank, stream positions they advance the cursor by) for each batch
+        self._pending: deque[tuple[int, int]] = deque()
         # Bumped whenever the cursor moves under a live iterator, which then stops.
         self._token = 0
         # A loaded checkpoint is resumed by the next iteration even if nothing is left of its epoch.
         self._resume_pending = False
         self._perm_cache: tuple[int, torch.Tensor] | None = None
+        # uneven shares of each global batch (one per rank), or None for DistributedSampler's layout
+        self._shares: tuple[int, ...] | None = None
+        if shares is not None:
+            self._shares = self._check_shares(shares)
 
     @property
     def dataset_size(self) -> int:
@@ -176,7 +185,49 @@ class ElasticBatchSampler(Sampler[list[int]]):
     @property
     def consumed_samples(self) -> int:
         """Stream positions of this epoch consumed, summed over ranks, end-of-epoch pads included."""
+        if self._shares is not None:  # the cursor counts stream positions of whole global batches
+            return self._seg_start + self._consumed
         return self._seg_start + self._consumed * self._num_replicas
+
+    @property
+    def shares(self) -> tuple[int, ...] | None:
+        """Each rank's samples per global batch, or ``None`` (equal batches of :attr:`batch_size`)."""
+        return self._shares
+
+    def set_shares(self, shares: list[int] | tuple[int, ...] | None) -> None:
+        """Deal each global batch unevenly from the next batch on: rank ``r`` takes ``shares[r]`` samples.
+
+        Every global batch of ``sum(shares)`` consecutive stream positions is cut in rank order
+        (rank 0 the first ``shares[0]``); an epoch's last, shorter global batch is cut in
+        proportion to the shares (at least one sample per rank; pads wrap to the epoch's start
+        when fewer samples than ranks are left, as ``DistributedSampler`` pads). The layout
+        changes at the consumed cursor, so across any number of changes (and a checkpoint resume
+        on another split or world size) every sample of the epoch is served once. Call it on
+        every rank alike, with the same shares: :meth:`ElasticLoader.set_shares` after each
+        engine step, with ``engine.shares``. ``None`` goes back to equal batches of
+        :attr:`batch_size`. A live iteration stops (:class:`ElasticLoader` restarts it).
+
+        Raises:
+            ValueError: not one positive int per replica.
+        """
+        new = None if shares is None else self._check_shares(shares)
+        if new == self._shares:
+            return
+        position = min(self.consumed_samples, self._dataset_size)
+        self._shares = new
+        self._move_cursor(seg_start=position)
+        logger.debug("shares %s from stream position %d", new, position)
+
+    def _check_shares(self, shares: Any) -> tuple[int, ...]:
+        items = list(shares)
+        if len(items) != self._num_replicas or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in items
+        ):
+            raise ValueError(
+                f"shares must be one positive int per replica ({self._num_replicas}), got {items!r}; "
+                "pass engine.shares"
+            )
+        return tuple(items)
 
     @property
     def pending_batches(self) -> int:
@@ -240,8 +291,11 @@ class ElasticBatchSampler(Sampler[list[int]]):
                 "out by the current iteration and not yet marked; call it once per batch the "
                 "training loop received (ElasticLoader does this for you)"
             )
-        samples = sum(self._pending.popleft() for _ in range(num_batches))
-        self._consumed += samples
+        samples = 0
+        for _ in range(num_batches):
+            local, advance = self._pending.popleft()
+            samples += local
+            self._consumed += advance
         return samples
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -284,6 +338,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
             "shuffle": self._shuffle,
             "drop_last": self._drop_last,
             "num_replicas": self._num_replicas,
+            "shares": None if self._shares is None else list(self._shares),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -367,6 +422,15 @@ class ElasticBatchSampler(Sampler[list[int]]):
         self._pending.clear()
         self._token += 1
 
+    def _global_batches(self, seg_start: int, consumed: int) -> int:
+        """Global batches left under uneven shares from ``consumed`` stream positions into the segment."""
+        assert self._shares is not None
+        left = self._dataset_size - seg_start - consumed
+        if left <= 0:
+            return 0
+        total = sum(self._shares)
+        return left // total if self._drop_last else -(-left // total)
+
     def _local_length(self, seg_start: int) -> int:
         """Samples this rank gets in the segment that starts at stream position ``seg_start``."""
         left = max(self._dataset_size - seg_start, 0)
@@ -375,6 +439,8 @@ class ElasticBatchSampler(Sampler[list[int]]):
         return -(-left // self._num_replicas)
 
     def _batches_left(self, seg_start: int, consumed: int) -> int:
+        if self._shares is not None:
+            return self._global_batches(seg_start, consumed)
         left = self._local_length(seg_start) - consumed
         if left <= 0:
             return 0
@@ -393,7 +459,36 @@ class ElasticBatchSampler(Sampler[list[int]]):
             self._perm_cache = (self._epoch, perm)
         return self._perm_cache[1]
 
+    def _generate_shares(self, token: int) -> Iterator[list[int]]:
+        """Batches under uneven shares: each global batch cut in rank order (see :meth:`set_shares`)."""
+        shares = self._shares
+        assert shares is not None
+        seg_start, position = self._seg_start, self._consumed
+        total, world, me = sum(shares), self._num_replicas, self._rank
+        perm = self._permutation()
+        while token == self._token:
+            left = self._dataset_size - seg_start - position
+            if left <= 0:
+                return
+            if left >= total:
+                split, advance = shares, total
+            elif self._drop_last:
+                return
+            else:
+                # the epoch's last global batch, in proportion; fewer samples than ranks: pad
+                split = split_shares(max(left, world), [float(s) for s in shares])
+                advance = left
+            first = seg_start + position + sum(split[:me])
+            stream = first + torch.arange(split[me])
+            batch = perm[stream % self._dataset_size].tolist()
+            position += advance
+            self._pending.append((split[me], advance))
+            yield batch
+
     def _generate(self, token: int) -> Iterator[list[int]]:
+        if self._shares is not None:
+            yield from self._generate_shares(token)
+            return
         seg_start, position = self._seg_start, self._consumed
         length = self._local_length(seg_start)
         stream = seg_start + torch.arange(length) * self._num_replicas + self._rank
@@ -405,7 +500,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
                 return
             batch = local[position : position + size]
             position += size
-            self._pending.append(size)
+            self._pending.append((size, size))
             yield batch
 
 
@@ -463,6 +558,7 @@ class ElasticLoader:
         self._sampler = sampler
         self._loader = DataLoader(dataset, batch_sampler=sampler, **dataloader_kwargs)
         self._restart = False
+        self._relayout = False  # the sampler's layout moved: the live iteration stopped, start a new one
 
     @property
     def sampler(self) -> ElasticBatchSampler:
@@ -486,6 +582,18 @@ class ElasticLoader:
             self._sampler.set_batch_size(batch_size)
             self._restart = True
 
+    def set_shares(self, shares: list[int] | tuple[int, ...] | None) -> None:
+        """Deal uneven shares from the next batch on (see :meth:`ElasticBatchSampler.set_shares`); a no-op when unchanged.
+
+        After each step of an engine built with ``shares=``: ``loader.set_shares(engine.shares)``.
+
+        Raises:
+            ValueError: not one positive int per replica.
+        """
+        if (None if shares is None else tuple(shares)) != self._sampler.shares:
+            self._sampler.set_shares(shares)
+            self._restart = self._relayout = True
+
     def state_dict(self) -> dict[str, Any]:
         """See :meth:`ElasticBatchSampler.state_dict`."""
         return self._sampler.state_dict()
@@ -501,7 +609,13 @@ class ElasticLoader:
         while True:
             if self._restart:
                 self._restart = False
-                if sampler.pending_batches:
+                relayout, self._relayout = self._relayout, False
+                if relayout:
+                    if sampler.exhausted:
+                        return
+                    iterator = None
+                    iterator = iter(self._loader)
+                elif sampler.pending_batches:
                     if sampler.exhausted:
                         # Re-iterating would start the epoch over; the smaller tail is dropped.
                         return

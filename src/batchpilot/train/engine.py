@@ -34,6 +34,7 @@ from ..core.model import model_device
 from ..core.ranks import group_size
 from ..core.sharding import is_fsdp
 from ..dist.coordinator import Coordinator, LocalCoordinator, check_coordinator
+from ..dist.shares import OwnSizes
 from ..find.finder import find_batch_size
 from ..find.options import FindOptions
 from ..find.result import BatchPlan
@@ -53,6 +54,7 @@ from .lengths import LengthConfig, LengthSizer, make_sizer
 from .noise import NoiseConfig, NoiseMeter, NoiseSample, make_meter
 from .retry import BatchDoesNotFitError, RetryState, fixed_oom_error
 from .schedule import GlobalBatch
+from .shares import RankShares, SharesSpec
 
 __all__ = [
     "BatchDoesNotFitError",
@@ -287,6 +289,16 @@ class Engine:
             micro-batch comes from the memory model over (batch, length) before the step runs,
             and a length beyond the longest verified one is verified by a real search first.
             On by default when ``start`` is a :class:`~batchpilot.find.lengths.LengthPlan`.
+        shares: uneven shares of the global batch over the ranks (:mod:`batchpilot.train.shares`):
+            ``None`` (``global_batch_size // world`` each), one int per rank (``[48, 16]``, or
+            weights such as ``[3, 1]`` scaled to the global batch), or ``"auto"``: equal at first,
+            then in proportion to each rank's measured samples/s at its own micro-batch, moved in
+            lockstep on every rank. Each rank keeps the micro-batch its own memory allows (an OOM
+            shrinks only the rank that ran out; every rank retries), the update is the one of a
+            single process on the whole global batch (mean and ``(sum, count)`` losses), and every
+            rank runs one gradient sync per step. Feed each rank its share:
+            ``loader.set_shares(engine.shares)`` after each step. Not with ``schedule``, ``noise``
+            or ``lengths``. Details: ``docs/uneven.md``.
 
     Attributes:
         global_batch_size: samples per optimizer step over all ranks (read-only; a schedule or
@@ -334,6 +346,7 @@ class Engine:
         noise: bool | NoiseConfig | None = None,
         schedule: BatchSchedule | str | None = None,
         lengths: LengthConfig | bool | None = None,
+        shares: SharesSpec | None = None,
     ) -> None:
         _positive_int("global_batch_size", global_batch_size)
         self._fsdp = is_fsdp(model)
@@ -342,8 +355,16 @@ class Engine:
         self.layout = BatchLayout.of(shared, split_fn)
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
+        #: uneven shares of the global batch (batchpilot.train.shares), or None: G // world on every rank
+        self.rank_shares: RankShares | None = None
+        if shares is not None:
+            _refuse_with_shares(schedule=schedule, noise=noise, lengths=lengths)
+            self.rank_shares = RankShares(shares, global_batch_size=global_batch_size, world=self._world,
+                                          rank=self.coordinator.rank, coordinator=self.coordinator,
+                                          lockstep=self.coordinator.lockstep)
         #: the global batch, the batch the LR is set for, and the schedule that moves it (batchpilot.train.schedule)
-        self.global_batch = GlobalBatch(global_batch_size, world_size=self._world, schedule=schedule)
+        self.global_batch = GlobalBatch(global_batch_size, world_size=self._world, schedule=schedule,
+                                        uneven=shares is not None)
         schedule = self.global_batch.schedule
         self.config = config if config is not None else EngineConfig()
         #: the finder's plan the first micro-batch came from (given as ``start`` or found on step 1)
@@ -397,10 +418,15 @@ class Engine:
         self.steps = 0
         cfg = self.config
         #: the micro-batch, its policy, memory fit and reasons (batchpilot.train.adapt)
+        # with uneven shares each rank keeps the micro-batch its own memory allows (OOMs still agreed)
+        sizes_by = self._sizes_by = self.coordinator if self.rank_shares is None else OwnSizes(self.coordinator)
         self.batcher = MicroBatcher(
-            fixed=int(micro_batch_size) if self.fixed else None, device=self.device, coordinator=self.coordinator,
+            fixed=int(micro_batch_size) if self.fixed else None, device=self.device, coordinator=sizes_by,
             capacity=self._capacity, target=self.target, high_water=cfg.high_water, adapt=cfg.adapt,
-            grow_after=cfg.grow_after, backoff=cfg.backoff, max_wait=cfg.max_wait, split_by_time=cfg.split == "time",
+            grow_after=cfg.grow_after, backoff=cfg.backoff, max_wait=cfg.max_wait,
+            # the check of a split by time sums times over ranks when a rank checks; with uneven
+            # shares ranks differ in what they would check, so none does
+            split_by_time=cfg.split == "time" and self.rank_shares is None,
             split_margin=cfg.split_margin,
         )
         self._start = start
@@ -469,7 +495,8 @@ class Engine:
         if n > self._per_rank:
             raise ValueError(self._too_large(n))
         self.global_batch.check_loader(n)
-        self.coordinator.agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
+        if self.rank_shares is None:
+            self.coordinator.agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
         if self.lengths is not None:
             self._size_by_length(split)  # before running: from the memory model at this length
         elif self.micro_batch_size is None:
@@ -499,8 +526,16 @@ class Engine:
                 if read is not None:
                     probe.synchronize()
                     began = read()
+                if self.rank_shares is not None:
+                    # every rank's samples and micro-batches (FSDP runs the largest count on every rank)
+                    self.rank_shares.exchange(n, micro, first=ooms == 0)
+                    probe.synchronize()
+                    share_began = time.perf_counter()
                 # attempt() frees memory outside its except block; the agreement runs on every rank
                 outcome = self._attempt(split, micro)
+                if self.rank_shares is not None:
+                    probe.synchronize()
+                    share_seconds = time.perf_counter() - share_began  # wall time: a shared core counts
                 if read is not None:
                     probe.synchronize()
                     passes = read() - began
@@ -512,6 +547,7 @@ class Engine:
                     acc = outcome.result
                     break
                 message = _oom_message(outcome.message, self.coordinator)
+                own_oom = outcome.oom
                 del outcome
                 # another rank's OOM leaves this rank's complete gradients unusable too
                 self._drop_grads()
@@ -521,7 +557,12 @@ class Engine:
                 self.retry.restore()
                 if self.lengths is not None:
                     self.lengths.on_oom(self._capacity())
-                self.batcher.shrink_after_oom(micro, message)
+                if self.rank_shares is None:
+                    self.batcher.shrink_after_oom(micro, message)
+                else:  # each rank's micro-batch is its own: the rank that ran out shrinks, the others retry theirs
+                    self.rank_shares.on_oom(hopeless=own_oom and micro <= 1, message=message)
+                    if own_oom:
+                        self.batcher.shrink_after_oom(micro, message)
             attempt_peak = probe.peak()
             probe.reset()
             grad_norm, skip_reason = self._apply(acc)
@@ -538,7 +579,14 @@ class Engine:
         peak = max(attempt_peak, self._apply_peak)
         noise = self._commit_noise(skip_reason)
         this_global = self._global
-        self.global_batch.count(n)
+        if self.rank_shares is None:
+            self.global_batch.count(n)
+        else:
+            self.global_batch.count(n, total=self.rank_shares.total)
+            if ooms == 0:
+                self.rank_shares.record(share_seconds, n)
+            if self.rank_shares.commit():
+                self.batcher.resize(self._per_rank)
         self._apply_schedule_change(self.global_batch.next_size(self.steps, lambda: self.noise_scale))
         return StepResult(
             loss_tensor=acc.loss,
@@ -586,7 +634,23 @@ class Engine:
 
     @property
     def _per_rank(self) -> int:
-        return self.global_batch.per_rank
+        return self.global_batch.per_rank if self.rank_shares is None else self.rank_shares.own
+
+    @property
+    def _count_norm(self) -> float:
+        """What a ``(sum, count)`` loss is divided by before the sync: the same on every rank."""
+        return self._per_rank if self.rank_shares is None else self.rank_shares.norm
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """Each rank's samples of the next step: the uneven shares, or ``global // world`` each.
+
+        Feed each rank its share: ``loader.set_shares(engine.shares)`` after each step
+        (:meth:`batchpilot.train.data.ElasticLoader.set_shares`) when they are uneven.
+        """
+        if self.rank_shares is None:
+            return (self._per_rank,) * self._world
+        return self.rank_shares.shares
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -648,6 +712,11 @@ class Engine:
             ValueError: not a positive int, or not a multiple of the world size (the message
                 names the nearest that are); an unknown ``lr_rule``.
         """
+        if self.rank_shares is not None:
+            raise ValueError(
+                "set_global_batch_size with uneven shares is not supported: build a new Engine with the new "
+                "global_batch_size (and shares=), or train with equal shares (shares=None)"
+            )
         self.global_batch.check(global_batch_size)
         new, old = int(global_batch_size), self._global
         if new == old:
@@ -683,8 +752,8 @@ class Engine:
         ``BatchConfig`` (exact division) cannot express. :meth:`describe` covers every case.
         """
         micro = self.micro_batch_size
-        if micro is None or self._per_rank % micro:
-            return None
+        if micro is None or self._per_rank % micro or self.rank_shares is not None:
+            return None  # uneven shares: no one micro × world × accum
         return BatchConfig(global_batch_size=self._global, micro_batch_size=micro, world_size=self._world)
 
     def describe(self) -> str:
@@ -696,7 +765,8 @@ class Engine:
         ``not chosen yet``. With ``"auto"`` the reason (:attr:`micro_batch_reason`) follows a colon.
         With the noise scale measured, its mode follows a semicolon (``; noise every (beta 0.95)``).
         """
-        return self._describe_batch() + ("" if self.noise_meter is None else f"; {self.noise_meter.describe()}")
+        shares = "" if self.rank_shares is None else f"; shares: {self.rank_shares.reason}"
+        return self._describe_batch() + shares + ("" if self.noise_meter is None else f"; {self.noise_meter.describe()}")
 
     def _describe_batch(self) -> str:
         why = f": {self.micro_batch_reason}" if self.micro_batch_reason and not self.fixed else ""
@@ -704,6 +774,8 @@ class Engine:
         if config is not None:
             return config.describe() + why
         head = f"global {self._global} = world {self._world} × {self._per_rank} per rank"
+        if self.rank_shares is not None:
+            head = f"global {self._global} = shares {list(self.rank_shares.shares)}, {self._per_rank} on this rank"
         micro = self.micro_batch_size
         if micro is None:
             return f"{head}, micro-batch not chosen yet"
@@ -724,7 +796,8 @@ class Engine:
         ``micro_batch["policy"]["micro"]`` is the micro-batch, ``policy`` is ``None`` before the
         first step and for a fixed micro-batch); ``scaler`` (fp16's ``GradScaler``), ``noise``
         (:class:`~batchpilot.train.noise.NoiseMeter`) and ``lengths``
-        (:class:`~batchpilot.train.lengths.LengthSizer`), each ``None`` when the part is off.
+        (:class:`~batchpilot.train.lengths.LengthSizer`) and ``shares``
+        (:meth:`batchpilot.train.shares.RankShares.state_dict`), each ``None`` when the part is off.
         Plain containers of numbers and strings: ``weights_only=True`` loads them. Model,
         optimizer and scheduler are the caller's to checkpoint.
         """
@@ -736,6 +809,7 @@ class Engine:
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "noise": None if self.noise_meter is None else self.noise_meter.state_dict(),
             "lengths": None if self.lengths is None else self.lengths.state_dict(),
+            "shares": None if self.rank_shares is None else self.rank_shares.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -784,6 +858,8 @@ class Engine:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._last_scale = None
+        if self.rank_shares is not None and state.get("shares") is not None:
+            self.rank_shares.load_state_dict(state["shares"])
         self.batcher.load_state_dict(state["micro_batch"], per_rank=self._per_rank,
                                      same_world=saved_world in (None, self._world))
 
@@ -902,13 +978,13 @@ class Engine:
             def rounds(b: int) -> int:
                 return 2 if b < self._per_rank else 1
 
-            plan = self.coordinator.find_batch_size(lambda b: trial(b, rounds(b)), restore=(self.model, self.optimizer),
+            plan = self._sizes_by.find_batch_size(lambda b: trial(b, rounds(b)), restore=(self.model, self.optimizer),
                                                     replay=lambda b: trial(1, rounds(b)), **options)
         elif self._world > 1:
             # DistributedCoordinator: every rank searches alone, then one all-reduce MIN; a
             # nothing-fits on one rank is raised on all of them. The wrapper goes in `restore`: it
             # is unwrapped for the snapshot, and a loss_fn that calls it instead of its argument fails clearly.
-            plan = self.coordinator.find_batch_size(trial, restore=(self.model, self.optimizer), **options)
+            plan = self._sizes_by.find_batch_size(trial, restore=(self.model, self.optimizer), **options)
         elif accumulating:
             plan = find_batch_size(lambda b: trial(b, 2 if b < self._per_rank else 1),
                                    restore=(inner, self.optimizer), **options)
@@ -942,6 +1018,9 @@ class Engine:
         # "auto": balanced micro-batches (10 at 4 is 4 + 3 + 3, the same passes and peak as
         # 4 + 4 + 2, no ragged tail); a fixed micro-batch is cut as the user's own loop would
         sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
+        uneven = self.rank_shares if own or replay else None
+        if uneven is not None:
+            sizes = uneven.cut(n, micro)  # FSDP: the count every rank runs; size 0 is a weightless pass
         widths = None
         if self.lengths is not None and own:  # the engine's own step, not a finder trial
             sizes, widths = self.lengths.cut(split, micro, sizes)
@@ -958,7 +1037,10 @@ class Engine:
         start = 0
         for i, size in enumerate(sizes):
             # length-aware: the micro-batch's samples, trimmed to their longest
-            mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
+            if size == 0:  # a pass at zero weight: its collectives pair with the other ranks' (FSDP)
+                mb = split.slice(0, 1, self.device)
+            else:
+                mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
             if replay and self.lengths is not None and self.lengths.widths:
                 # (without split every micro-batch is sized at the longest rank's length, and this
                 # rank's batch may be shorter)
@@ -982,14 +1064,22 @@ class Engine:
                     raise ValueError("loss_fn returned a mean for one micro-batch and (sum, count) for another")
                 if kind == "mean":
                     # weight by sample count: uneven micro-batches still give the batch mean
-                    scaled = loss if size == n else loss * (size / n)
-                    term = scaled.detach()
+                    if uneven is not None:
+                        # uneven shares: by samples over the global batch, times world (the sync divides by it)
+                        scaled = loss * uneven.mean_weight(size)
+                        term = (loss * (size / n)).detach()
+                    else:
+                        scaled = loss if size == n else loss * (size / n)
+                        term = scaled.detach()
                 else:
                     # a rank-independent constant keeps magnitudes per-sample; the exact total
                     # count divides the gradients once all micro-batches are done (_apply)
-                    scaled = loss / self._per_rank
+                    scaled = loss / self._count_norm
                     term = loss.detach()
-                    count = count + c
+                    if size == 0:
+                        scaled, term = scaled * 0, term * 0
+                    else:
+                        count = count + c
                 if scaler is not None:
                     scaled = scaler.scale(scaled)
                 if meter is not None:
@@ -1037,7 +1127,7 @@ class Engine:
             # DDP averaged over ranks; world × N / total undoes that and divides by the global count.
             # In float64: an integer count divided in the default dtype is a float32 factor, which
             # rounds a float64 model's gradients at 1e-8
-            factor = self._world * self._per_rank / (total.double() if isinstance(total, torch.Tensor) else total)
+            factor = self._world * self._count_norm / (total.double() if isinstance(total, torch.Tensor) else total)
             if grads:
                 if isinstance(factor, torch.Tensor):
                     factor = factor.to(grads[0].device)
@@ -1078,7 +1168,9 @@ class Engine:
             # collectives move parameters and gradients, whose sizes do not depend on the batch
             sizer = self.lengths
             count = len(sizer.sizes) if sizer is not None and sizer.sizes else accum_steps(split.size, micro)
-            return self._accumulate(split.narrow(0, count), 1, replay=True)
+            if self.rank_shares is not None and self.rank_shares.accum is not None:
+                count = self.rank_shares.accum  # the count every rank agreed on (cut pads a short rank)
+            return self._accumulate(split.narrow(0, min(count, split.size)), 1, replay=True)
 
         return self.coordinator.attempt(
             lambda: self._accumulate(split, micro), replay,
@@ -1148,6 +1240,23 @@ class Engine:
         pressure = self.lengths.observe(peak, self._capacity())
         anyone, _ = self.batcher.agree_clean(micro, peak=peak, start_bytes=start_bytes, ooms=ooms, observe=False)
         return anyone, pressure and not anyone
+
+
+def _refuse_with_shares(*, schedule: Any, noise: Any, lengths: Any) -> None:
+    """Uneven shares do not combine (yet) with a schedule, the noise scale or sizing by length: say so early.
+
+    Raises:
+        ValueError: naming the option and how to train instead.
+    """
+    if schedule is not None:
+        raise ValueError("shares= with a global-batch schedule is not supported: a schedule moves the global "
+                         "batch and every rank's share with it; use shares=None with schedule=, or no schedule")
+    if noise not in (None, False):
+        raise ValueError("shares= with noise= is not supported: the gradient noise scale's small-batch norms "
+                         "assume equal shares; use noise=False (or shares=None to measure it)")
+    if lengths not in (None, False):
+        raise ValueError("shares= with lengths= is not supported: sizing by length agrees one micro-batch over "
+                         "ranks; use lengths=None with uneven shares")
 
 
 def _nested_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class GlobalBatch:
         world_size: data-parallel ranks; each takes ``global_batch_size // world_size`` samples.
         schedule: a :class:`~batchpilot.policy.schedule.BatchSchedule`, its spec (``"adaptive"``), or
             ``None`` for a global batch that moves only by :meth:`resize`.
+        uneven: the ranks take uneven shares (:class:`batchpilot.train.shares.RankShares` owns
+            them): the global batch need not divide by the world, and :attr:`per_rank` is unused.
 
     Attributes:
         size: the global batch of the next step.
@@ -66,10 +68,12 @@ class GlobalBatch:
         TypeError: ``schedule`` of another type.
     """
 
-    def __init__(self, global_batch_size: int, *, world_size: int = 1, schedule: BatchSchedule | str | None = None):
+    def __init__(self, global_batch_size: int, *, world_size: int = 1, schedule: BatchSchedule | str | None = None,
+                 uneven: bool = False):
         self.size = positive_int("global_batch_size", global_batch_size)
         self.world = positive_int("world_size", world_size)
-        self.per_rank = per_rank_batch(self.size, self.world)
+        # uneven shares (batchpilot.train.shares) need no multiple of the world: each rank's share is its own
+        self.per_rank = self.size // self.world if uneven else per_rank_batch(self.size, self.world)
         if isinstance(schedule, str):
             schedule = parse_schedule(schedule)
         if schedule is not None and not isinstance(schedule, BatchSchedule):
@@ -116,9 +120,9 @@ class GlobalBatch:
             point = dataclasses.replace(point, noise_scale=noise_scale())
         return schedule.decide(point, self.reference)
 
-    def count(self, samples: int) -> None:
-        """A step trained on ``samples`` samples on this rank (the same on every rank)."""
-        self.samples += samples * self.world
+    def count(self, samples: int, *, total: int | None = None) -> None:
+        """A step trained on ``samples`` samples on this rank (the same on every rank), or ``total`` over all ranks."""
+        self.samples += samples * self.world if total is None else total
 
     def check_loader(self, samples: int) -> None:
         """Warn when batches stay short of the per-rank batch after a schedule grew it (one short batch is an epoch's end)."""
