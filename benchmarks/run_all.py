@@ -54,6 +54,7 @@ KNOWN = (
     Script("fsdp_length_model"),
     Script("left_behind", quick=("--models", "transformer", "--cap-mib", "256")),
     Script("split_busy", quick=("--quick",)),
+    Script("uneven", quick=("--quick",)),
 )
 
 
