@@ -14,7 +14,8 @@ rank ``G / 2`` at the micro-batch the ranks agree on (the smaller rank's); ``aut
 over the timed steps (median over rounds) and the ratio of the medians.
 
 *Faults*: each launch runs ``shares="auto"`` on the skewed setting with one rank's emulated
-capacity lowered to 70% before a random step (its next micro-batch runs out of memory in the
+capacity lowered before a random step to what is in use plus 60% of what the last step's
+activations took (its next micro-batch runs out of memory in the
 emulated allocator); a launch that does not finish in ``--launch-timeout`` seconds is a hang. Every
 complete epoch must hold every sample exactly once (across both ranks), the incomplete one none twice.
 Run it under ``flock /work/bench.lock`` so that no other benchmark times beside it.
@@ -111,7 +112,7 @@ def faults(launches: int, seed: int, steps: int, timeout: float) -> list[dict]:
         rank, step = rng.randrange(2), rng.randrange(3, steps - 2)
         with tempfile.TemporaryDirectory() as record:
             result, tail, seconds = launch(["--shares", "auto", "--capacity", SKEW_CAPACITY, "--steps", str(steps),
-                                            "--timed-from", "1", "--shrink-at", f"{rank}:{step}:0.7",
+                                            "--timed-from", "1", "--shrink-at", f"{rank}:{step}:0.6",
                                             "--record", record], timeout)
             verdict = check_once(Path(record), dataset=2048) if result is not None else "no result"
         row = {"launch": i, "rank": rank, "step": step, "hang": tail.startswith("HANG"),

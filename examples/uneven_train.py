@@ -10,9 +10,10 @@ the split so that the ranks finish together (every rank adopts the same shares a
 ``--capacity`` emulates a device of that size per rank, so a smaller rank runs a smaller
 micro-batch of its own instead of holding every rank to it; ``--pin`` pins rank r to a core, so
 that a co-tenant on one core (``taskset -c 1 python /work/shared/tools/cotenant.py --procs 1
---threads 1 --off 0,0``) slows that rank alone. ``--shrink-at RANK:STEP:FRACTION`` lowers that
-rank's emulated capacity to FRACTION of itself before STEP: its next micro-batch runs out of
-memory (the emulated allocator refuses it), every rank retries the step, that rank alone shrinks.
+--threads 1 --off 0,0``) slows that rank alone. ``--shrink-at RANK:STEP:FRACTION`` lowers that rank's
+emulated capacity before STEP to what is in use plus FRACTION of what the last step's activations
+took: its next micro-batch runs out of memory (the emulated allocator refuses it), every rank
+retries the step, that rank alone shrinks.
 The data follow the engine (``loader.set_shares(engine.shares)``): every sample once per epoch.
 Rank 0 prints one JSON line at the end (samples/s over the timed steps, the shares, the OOMs);
 ``--record DIR`` writes each rank's samples per epoch there.
@@ -87,6 +88,7 @@ def main() -> None:
         shrink = (int(who), int(at), float(fraction))
 
     seen: dict[int, list[int]] = {}
+    last_peak = 0
     steps = ooms = timed_samples = 0
     timed_began = None
     history = []
@@ -95,14 +97,17 @@ def main() -> None:
         while steps < args.steps:
             loader.set_epoch(epoch)
             for batch in loader:
-                if shrink is not None and shrink[0] == rank and shrink[1] == steps:
+                if shrink is not None and shrink[0] == rank and shrink[1] == steps and last_peak:
+                    # the memory the last step's activations took, cut to FRACTION: the same
+                    # micro-batch cannot fit any more, one of half its size can
                     tracker = active_tracker(torch.device("cpu"))
-                    tracker.capacity = int(tracker.capacity * shrink[2])
+                    tracker.capacity = int(tracker.live + (last_peak - tracker.live) * shrink[2])
                 if steps == args.timed_from:
                     if bd.is_distributed():
                         torch.distributed.barrier()
                     timed_began = time.perf_counter()
                 result = engine.step(batch)
+                last_peak = result.peak_bytes
                 if args.trace:
                     print(rank, steps, round(result.seconds, 3), result.samples, result.micro_batch_sizes, flush=True)
                 ooms += result.ooms

@@ -520,7 +520,8 @@ def _as_version_4(flat: dict) -> dict:
                               "last_batch_change", "schedule"),
              "micro_batch": ("policy", "fit", "micro_cap")}
     rest = {k: v for k, v in flat.items() if k != "micro_batch_size" and not any(k in keys for keys in parts.values())}
-    return {**rest, "version": 4, **{part: {k: flat[k] for k in keys} for part, keys in parts.items()}}
+    # version 4 gained "shares" (uneven shares of the global batch), None when they are equal
+    return {**rest, "version": 4, "shares": None, **{part: {k: flat[k] for k in keys} for part, keys in parts.items()}}
 
 
 def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
