@@ -304,7 +304,11 @@ class Engine:
         global_batch_size: samples per optimizer step over all ranks (read-only; a schedule or
             :meth:`set_global_batch_size` changes it between steps).
         world_size: data-parallel ranks, from the coordinator (read-only).
-        per_rank_batch_size: ``global_batch_size // world_size``, what :meth:`step` takes.
+        per_rank_batch_size: ``global_batch_size // world_size``, what :meth:`step` takes (with
+            ``shares=``, this rank's share).
+        shares: each rank's samples of the next step (:attr:`per_rank_batch_size` on every rank
+            without ``shares=``).
+        rank_shares: the uneven shares' part (:class:`~batchpilot.train.shares.RankShares`), or ``None``.
         micro_batch_size: the micro-batch of the next step (``None`` before the first one).
         micro_batch_reason: why it is that size (empty before the first step).
         split: the initial split of the per-rank batch (:class:`~batchpilot.policy.speed.SplitChoice`),
@@ -684,7 +688,10 @@ class Engine:
 
     @property
     def per_rank_batch_size(self) -> int:
-        """This rank's share of the global batch, ``global_batch_size // world_size``: what :meth:`step` takes."""
+        """This rank's share of the global batch: what :meth:`step` takes.
+
+        ``global_batch_size // world_size``, or with ``shares=`` this rank's share of the next step.
+        """
         return self._per_rank
 
     @property
