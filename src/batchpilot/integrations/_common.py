@@ -17,8 +17,8 @@ from ..policy.microbatch import accum_steps as micro_batches, balanced_sizes
 from ..policy.schedule import LR_SCALE_RULES
 from ..train.batching import BatchConfig, config_for_limit, is_adaptive
 
-__all__ = ["BatchSetup", "SizingOptions", "require", "require_installed", "choose_batches", "count_sizes", "lr_rule_for",
-           "note_equal_shares"]
+__all__ = ["BatchSetup", "DeferredOptimizer", "SizingOptions", "require", "require_installed", "choose_batches",
+           "count_sizes", "lr_rule_for", "note_equal_shares"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,37 @@ def _missing(module: str, extra_hint: str) -> ImportError:
     top = module.split(".")[0]
     return ImportError(f"{extra_hint} needs {top}, which is not installed: "
                        f"pip install 'batchpilot[integrations]' (or pip install {top})")
+
+
+class DeferredOptimizer:
+    """A trainer's optimizer as batchpilot's engine sees it inside the trainer's ``training_step``.
+
+    The engine accumulates one batch's gradients (with its OOM retry and, under DDP, its gradient
+    average once every rank succeeded); the trainer's own loop then clips them, steps the optimizer
+    and the scheduler, counts ``global_step`` and zeroes them, as it does without batchpilot. So
+    ``step`` and ``zero_grad`` do nothing here, and everything else is the trainer's optimizer of the
+    moment (``trainer.optimizer``, which the trainer builds, and may rebuild, after the engine).
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._trainer.optimizer.param_groups
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    # the engine's length searches snapshot the optimizer and put it back: the trainer's, untouched by them
+    def state_dict(self) -> dict[str, Any]:
+        return self._trainer.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trainer.optimizer.load_state_dict(state)
 
 
 @dataclass(kw_only=True)

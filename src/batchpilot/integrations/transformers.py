@@ -33,7 +33,7 @@ from ..memory.oom import attempt, free_memory
 from ..policy.microbatch import accum_steps, balanced_sizes
 from ..train.batching import scale_lr
 from ..train.engine import Engine, EngineConfig, StepResult
-from ._common import BatchSetup, SizingOptions, choose_batches, lr_rule_for, require_installed
+from ._common import BatchSetup, DeferredOptimizer, SizingOptions, choose_batches, lr_rule_for, require_installed
 
 # before .continuous, which needs transformers too: the message names the module the user imported.
 # Checked, not imported: the Trainer stack (accelerate, datasets, scipy, ... some 2,000 modules and
@@ -190,28 +190,6 @@ def configure_batch_size(
     return setup
 
 
-class _Deferred:
-    """The optimizer as the engine sees it inside ``Trainer.training_step``: the step is the Trainer's.
-
-    The engine accumulates one batch's gradients (with its OOM retry and, under DDP, its gradient
-    average once every rank succeeded); the Trainer's loop then clips them, steps the optimizer and
-    the scheduler, counts ``global_step`` and zeroes them, as it does without batchpilot.
-    """
-
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._trainer.optimizer.param_groups
-
-    def step(self) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-
 def _counted(sizes: list[int]) -> str:
     """Micro-batch sizes as a reader counts them: ``10 x 10``, or ``22 x 15 + 13 x 14``."""
     counts: dict[int, int] = {}
@@ -311,7 +289,7 @@ class ResilientTrainerMixin:
         per_rank = self.args.per_device_train_batch_size
         start = min(self._batchpilot_micro, per_rank)
         state = None if engine is None else engine.state_dict()
-        engine = Engine(model, _Deferred(self), self._batchpilot_loss, global_batch_size=per_rank * self.args.world_size,
+        engine = Engine(model, DeferredOptimizer(self), self._batchpilot_loss, global_batch_size=per_rank * self.args.world_size,
                         start=start, config=self._batchpilot_config,
                         shared=self._batchpilot_layout.shared if self._batchpilot_layout else None,
                         split_fn=self._batchpilot_layout.split_fn if self._batchpilot_layout else None)
