@@ -38,7 +38,7 @@ from ..infer.genmemory import GenerationMemory, UnverifiedShapeError
 from ..memory.oom import attempt
 from ..train.engine import Engine, EngineConfig, StepResult
 from ..train.lengths import LengthConfig
-from ._common import require
+from ._common import DeferredOptimizer, require
 
 require("trl", "batchpilot.integrations.trl")
 
@@ -89,30 +89,6 @@ class GenerationStats:
     ooms: int
     sizing_seconds: float
     seconds: float
-
-
-class _Deferred:
-    """The optimizer as the engine sees it inside ``training_step``: the Trainer's loop steps the real one."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._trainer.optimizer.param_groups
-
-    def step(self) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    # the engine's length searches snapshot the optimizer and put it back: the Trainer's, untouched by them
-    def state_dict(self) -> dict[str, Any]:
-        return self._trainer.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trainer.optimizer.load_state_dict(state)
 
 
 class _EngineTrainingStep(Trainer):
@@ -212,6 +188,8 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         self._bp_score_rows: int | None = None
         self._bp_tokens: int | None = None  # rows × width of the widest training micro-batch known to run
         self._bp_share = LOSS_SHARES[targs.loss_type]
+        self._bp_prompt_width = 0  # TRL's padded prompt width in this step's batch
+        self._bp_position_shift = 0  # how far left of TRL's columns the micro-batch in the forward sits
 
     # ------------------------------------------------------------------ checks
     def _check_supported(self, targs: GRPOConfig) -> None:
@@ -327,8 +305,14 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         parent = super()._get_per_token_logps_and_entropies
         if torch.is_grad_enabled() or any(v is not None for v in kwargs.values()):
             # the training forward of one engine micro-batch (already sized), or multimodal inputs
-            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                          compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **kwargs)
+            shift = self._bp_position_shift
+            handle = None if not shift else model.register_forward_pre_hook(_shift_positions(shift), with_kwargs=True)
+            try:
+                return parent(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                              compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **kwargs)
+            finally:
+                if handle is not None:
+                    handle.remove()
         n = input_ids.size(0)
         size = min(n, self._bp_score_rows or self._first_micro)
         logps, entropies, aux = [], [], []
@@ -400,7 +384,7 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         lengths = self._bp_lengths
         if lengths is True:
             lengths = LengthConfig(split=True)
-        engine = Engine(model, _Deferred(self), self._batchpilot_loss,
+        engine = Engine(model, DeferredOptimizer(self), self._batchpilot_loss,
                         global_batch_size=self._rows_per_step * self.accelerator.num_processes,
                         start=None if lengths else self._first_micro, config=self._bp_config,
                         shared="num_items_in_batch", lengths=lengths or None)
@@ -424,6 +408,7 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
             raise ValueError(f"a step of {n} completions, not per_device_train_batch_size × "
                              f"gradient_accumulation_steps = {self._rows_per_step}")
         rows = to_rows(inputs, pad_token_id=_pad_id(self.processing_class))
+        self._bp_prompt_width = inputs["prompt_ids"].size(1)
         # TRL's micro-batches: consecutive slices of per_device_train_batch_size rows (after its shuffle)
         part = torch.arange(n, device=adv.device) // self._trl_micro
         rows["trl_micro_batch"] = part
@@ -447,8 +432,14 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
             mb = micro_batch if keep is None else {
                 k: v if k == "num_items_in_batch" else v[keep] for k, v in micro_batch.items()}
             trl_inputs = from_rows(mb, pad_token_id=_pad_id(self.processing_class))
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, trl_inputs)
+            # TRL runs every row at the columns of the whole batch, its prompt left-padded to the step's longest;
+            # these rows are padded to their own longest prompt, so their tokens sit this many columns to the left
+            self._bp_position_shift = self._bp_prompt_width - trl_inputs["prompt_ids"].size(1)
+            try:
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, trl_inputs)
+            finally:
+                self._bp_position_shift = 0
             loss = loss * self._share(mb, trl_inputs)
             total = loss if total is None else total + loss
         assert total is not None
@@ -462,8 +453,9 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
         if share == "rows":
             return mb["advantages"].size(0) / self._rows_per_step
         if share == "tokens":
-            tokens = trl_inputs["completion_mask"].sum().clamp(min=1)
-            return tokens / (accum * mb["trl_micro_batch_tokens"][0].clamp(min=1))
+            # a Python float (double): counts divided as tensors give float32, whose rounding a float64 loss would keep
+            tokens = max(1, int(trl_inputs["completion_mask"].sum()))
+            return tokens / (accum * max(1, int(mb["trl_micro_batch_tokens"][0])))
         return 1.0
 
 
@@ -534,6 +526,26 @@ def from_rows(rows: dict[str, torch.Tensor], *, pad_token_id: int) -> dict[str, 
         if t is not None:
             out[key] = torch.where(cvalid, t.gather(1, csrc), torch.zeros((), dtype=t.dtype, device=t.device))
     return out
+
+
+def _shift_positions(shift: int) -> Any:
+    """A forward pre-hook giving the model the positions its tokens have in TRL's batch: ``shift`` columns on.
+
+    A row's token at column ``c`` of a micro-batch padded to its own longest prompt sits at column
+    ``c + shift`` of TRL's batch, whose prompts are left-padded to the step's longest. The model
+    derives positions from columns: absolute position embeddings see the padding, and rotary ones,
+    relative in exact arithmetic, compute their angles in float32 from the absolute position. With
+    TRL's positions each token's forward is TRL's own.
+    """
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and kwargs.get("position_ids") is None:
+            cols = torch.arange(shift, shift + ids.size(1), device=ids.device)
+            kwargs["position_ids"] = cols.unsqueeze(0).expand(ids.size(0), -1)
+        return args, kwargs
+
+    return hook
 
 
 def _pad_id(processing_class: Any) -> int:
