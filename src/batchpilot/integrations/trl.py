@@ -435,11 +435,15 @@ class ResilientGRPOTrainer(GRPOTrainer, _EngineTrainingStep):
             # TRL runs every row at the columns of the whole batch, its prompt left-padded to the step's longest;
             # these rows are padded to their own longest prompt, so their tokens sit this many columns to the left
             self._bp_position_shift = self._bp_prompt_width - trl_inputs["prompt_ids"].size(1)
+            accelerator = self.accelerator
+            if accelerator.num_processes > 1:
+                self.accelerator = _RankLocalMetrics(accelerator)
             try:
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, trl_inputs)
             finally:
                 self._bp_position_shift = 0
+                self.accelerator = accelerator
             loss = loss * self._share(mb, trl_inputs)
             total = loss if total is None else total + loss
         assert total is not None
@@ -526,6 +530,34 @@ def from_rows(rows: dict[str, torch.Tensor], *, pad_token_id: int) -> dict[str, 
         if t is not None:
             out[key] = torch.where(cvalid, t.gather(1, csrc), torch.zeros((), dtype=t.dtype, device=t.device))
     return out
+
+
+class _RankLocalMetrics:
+    """The trainer's ``Accelerator`` with the collectives of TRL's loss metrics kept on this rank.
+
+    TRL's ``compute_loss`` gathers and reduces its metrics (KL, entropy, clip ratios, the policy
+    loss) over the ranks in every call, which pairs the calls of all ranks. The engine calls it once
+    per micro-batch, and ranks run different micro-batches: an OOM on one rank reruns its step while
+    the others wait in the engine's agreement, and bnpo's micro-batch is one call per TRL
+    micro-batch it spans. Paired calls would then wait for each other forever or mix up. Here each
+    rank's metrics are its own means; the loss and its gradients never read them. Everything else
+    (``num_processes``, ``autocast``, ...) is the ``Accelerator``'s.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    def gather(self, tensor: Any) -> Any:
+        return tensor
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        return input_data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return tensor * scale if scale != 1.0 else tensor
 
 
 def _shift_positions(shift: int) -> Any:

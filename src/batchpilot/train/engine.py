@@ -1061,6 +1061,12 @@ class Engine:
             quiet = ddp and (i < last or self.coordinator.defer_grad_sync)
             if self._fsdp:
                 self.coordinator.set_gradient_sync(sync and i == last)
+            if quiet and self.coordinator.defer_grad_sync:
+                # DDP broadcasts its buffers in a forward that follows a synced one, and marks that done
+                # only when the forward returns: a rank whose forward ran out of memory would broadcast
+                # again in its retry, alone, and wait forever. The coordinator broadcasts them after the
+                # gradients (sync_gradients), so the wrapper's own forward stays collective-free.
+                model.require_forward_param_sync = False
             with model.no_sync() if quiet else contextlib.nullcontext():
                 with self._autocast():
                     out = self.loss_fn(model, mb)
