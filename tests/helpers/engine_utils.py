@@ -12,6 +12,7 @@ from torch import nn
 from batchpilot.app.models import MLP, SmallCNN, example_batch
 from batchpilot.core.loss import supervised_loss
 from batchpilot.memory.probes import track_peak
+from batchpilot.memory.tracker import untracked
 from batchpilot.train.engine import Engine
 
 GLOBAL = {"mlp": 64, "cnn": 16}
@@ -28,12 +29,13 @@ def make(name: str, seed: int = 0, *, batch_norm: bool = False, lr: float = 0.05
 
 
 def batches(model: nn.Module, size: int, count: int, seed: int = 1):
-    """``count`` batches, made one at a time: inside a storage tracker each is counted while it
-    is in use and released after (a list made beforehand would be counted on first read and
-    then stay live)."""
+    """``count`` batches, made one at a time on the host, as a loader makes them: inside a storage
+    tracker (an emulated device) the engine counts only the micro-batches it reads of each."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(count):
-        yield example_batch(model, size, generator=g)
+        with untracked():
+            batch = example_batch(model, size, generator=g)
+        yield batch
 
 
 class InjectOOM:
@@ -78,7 +80,8 @@ def peak_at(name: str, global_batch: int, micro: int) -> int:
     batch = next(batches(model, global_batch, 1))
     Engine(model, opt, CE, global_batch_size=global_batch, micro_batch_size=global_batch).step(batch)
     model, opt = copy.deepcopy((model, opt))  # one memo: the copy steps the copied parameters
-    with track_peak("cpu", track=(model, opt, batch)) as m:
+    # the global batch is host data, as the engine counts it: only the micro-batches it reads
+    with track_peak("cpu", track=(model, opt)) as m:
         Engine(model, opt, CE, global_batch_size=global_batch, micro_batch_size=micro).step(batch)
     return m.peak_bytes
 

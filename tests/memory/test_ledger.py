@@ -57,6 +57,20 @@ def test_a_storage_charged_whole_is_no_host_data_and_outlives_forget_host():
     assert ledger.forget_host() == 0 and ledger.live == 4000
 
 
+def test_a_storage_made_host_data_is_charged_again_by_the_views_read_of_it():
+    ledger = StorageLedger()
+    batch = torch.zeros(1000)  # a loader's stacked batch, made while a tracker ran
+    st = batch.untyped_storage()
+    ledger.charge(st, st.nbytes())
+    assert ledger.make_host(st) == 4000 and (ledger.live, ledger.is_host(id(st))) == (0, True)
+    assert ledger.make_host(st) == 0  # nothing charged
+    ledger.charge_view(st, batch[100:200])  # one micro-batch
+    assert (ledger.live, ledger.host_bytes) == (400, 400)
+    assert ledger.make_host(st) == 400 and ledger.live == 0  # the step is over: its views leave the device
+    ledger.charge_view(st, batch[:100])
+    assert ledger.make_host(torch.zeros(3).untyped_storage()) == 0 and ledger.live == 400  # unseen: nothing to release
+
+
 def test_tensor_leaves_are_tree_flattens_tensors_for_what_operators_take_and_return():
     a, b, c, d = (torch.randn(2) for _ in range(4))
     m = torch.randn(3, 4).max(dim=1)  # a torch.return_types result

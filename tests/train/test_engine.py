@@ -10,6 +10,7 @@ from torch import nn
 
 from batchpilot.core.loss import supervised_loss
 from batchpilot.memory.probes import emulate_capacity
+from batchpilot.memory.tracker import active_tracker
 from batchpilot.train.engine import BatchDoesNotFitError, Engine, EngineConfig, StepResult
 from batchpilot.train.noise import NoiseConfig
 
@@ -535,13 +536,16 @@ def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
     with emulate_capacity(capacity, track=(model, opt)):
         for _ in range(3):
             eng.step(next(data))
-    now = eng.state_dict()
-    assert now == _as_version_4(STATE_V2)
+    # the same run: every counter and the micro-batch; the fit's figures are bytes as this
+    # version counts them (the global batch is host data, charged by the micro-batches read)
+    saved = _as_version_4(STATE_V2)
+    now = {**eng.state_dict(), "micro_batch": {**eng.state_dict()["micro_batch"], "fit": saved["micro_batch"]["fit"]}}
+    assert now == saved
 
     resumed = Engine(model, opt, CE, global_batch_size=n, config=EngineConfig(grow_after=100))
     monkeypatch.setattr(Engine, "_find_start", lambda *a: pytest.fail("resumed engine probed again"))
     resumed.load_state_dict(STATE_V2)
-    assert resumed.state_dict() == now  # every counter, the fit and the micro-batch, as saved
+    assert resumed.state_dict() == saved  # every counter, the fit and the micro-batch, as saved
     assert resumed.micro_batch_reason == "resumed from a checkpoint at micro-batch 16"
     with emulate_capacity(capacity, track=(model, opt)):
         r = resumed.step(next(data))
@@ -557,3 +561,31 @@ def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
     auto = Engine(model, opt, CE, global_batch_size=n)
     auto.load_state_dict(fixed_v2)
     assert auto.micro_batch_size == 8 and auto.policy.clean == 0
+
+
+
+
+def test_a_global_batch_a_loader_stacked_under_the_emulation_is_host_data():
+    # The loader stacks the global batch while the emulated device's tracker runs; a device holds
+    # only the micro-batch that runs, as the finder's trials held it: the first step runs the
+    # plan's micro-batch, with no OOM
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from batchpilot.find.front import find_batch_size_for
+    from batchpilot.policy.microbatch import efficient_size
+
+    torch.manual_seed(0)
+    n = 3072
+    x, y = torch.randn(n, 128), torch.randint(0, 10, (n,))
+    model = nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = find_batch_size_for(model, (x[:16], y[:16]), optimizer=opt, loss_fn=CE, capacity="4MiB")
+    # the global batch is a third of the capacity: charged whole, the plan's micro-batch cannot run beside it
+    assert n * x[0].nbytes > (4 << 20) // 3 and n > 4 * plan.batch_size, plan
+    engine = Engine(model, opt, CE, global_batch_size=n, start=plan)
+    with emulate_capacity("4MiB", track=(model, opt)):
+        batch = next(iter(DataLoader(TensorDataset(x, y), batch_size=n)))
+        r = engine.step(batch)
+        assert (r.ooms, r.micro_batch_size) == (0, efficient_size(n, plan.batch_size)), (plan, r)
+        # the step is over: its micro-batches left the device, the batch the caller holds is host data
+        assert active_tracker("cpu").charged(batch[0]) == 0

@@ -107,6 +107,22 @@ class StorageLedger:
             self._set(st, covered)
             self._host.add(key)
 
+    def make_host(self, st: torch.UntypedStorage) -> int:
+        """Count ``st`` as host data from now on, charged by the views read of it; the bytes released.
+
+        A storage charged whole (made while a tracker ran: a loader's stacked batch), or host
+        data charged by the views read so far, drops to nothing charged, and its next views
+        charge what they cover. Unseen, it is left as it is.
+        """
+        key = id(st)
+        old = self._sizes.get(key)
+        if old is None:
+            return 0
+        self._sizes[key] = 0
+        self._host.add(key)
+        self.live -= old
+        return old
+
     @property
     def host_bytes(self) -> int:
         """Bytes charged for host data (storages charged through views)."""
@@ -281,6 +297,24 @@ class StorageTracker(TorchDispatchMode):
         """
         with self._lock:
             return self._ledger.forget_host()
+
+    def treat_as_host(self, *objs: Any) -> int:
+        """Count the tensors of ``objs`` as host data: only the views read of them are charged; the bytes released.
+
+        Data a caller holds outside the step (the global batch handed to a training step, cut there
+        into micro-batches) would be in host memory, with only the micro-batch running on a device;
+        made while this tracker ran (a ``DataLoader`` stacking it), it was charged whole as memory
+        of the device. Called again once the step is over, it releases what the step's views were
+        charged. ``objs`` as for :meth:`track`.
+        """
+        freed = 0
+        with self._lock:
+            for obj in objs:
+                for t in tensors_of(obj):
+                    for st in tensor_storages(t):
+                        if _on(st, t, self.device):
+                            freed += self._ledger.make_host(st)
+        return freed
 
     def track(self, *objs: Any) -> StorageTracker:
         """Count tensors that already exist: modules, optimizers, tensors, or containers of them."""

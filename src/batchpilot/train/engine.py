@@ -495,6 +495,11 @@ class Engine:
         t0 = time.perf_counter()
         compiles = CompileCounter()
         split = BatchSplitter(batch, self.layout)
+        tracker = active_tracker(self.device)
+        if tracker is not None:
+            # the global batch is data the caller holds, on a device's host: only the micro-batch
+            # that runs is device memory (a loader may have stacked it while the tracker ran)
+            tracker.treat_as_host(batch)
         n = split.size
         if n > self._per_rank:
             raise ValueError(self._too_large(n))
@@ -522,6 +527,8 @@ class Engine:
                 if halved != micro:
                     micro = halved
                     reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
+                if tracker is not None:
+                    tracker.treat_as_host(batch)  # an attempt that ran out held a larger micro-batch's views
                 probe.reset()
                 start_bytes = probe.current()
                 # a split nominated by time is checked on real steps: their passes are timed as
@@ -576,6 +583,8 @@ class Engine:
             if explained is not None:
                 raise explained from exc  # a peer's failure, told by the coordinator
             raise
+        if tracker is not None:
+            tracker.treat_as_host(batch)  # the step is over: its micro-batches leave the device
         self.steps += 1
         if read is not None:
             self.batcher.observe_step(micro, n, ooms, passes)
