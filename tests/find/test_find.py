@@ -326,6 +326,27 @@ def test_a_trial_that_reads_the_whole_dataset_tensor_leaves_no_charge_for_later_
     assert all(len(v) == 1 for v in peaks.values()), {b: v for b, v in peaks.items() if len(v) > 1}
 
 
+def test_a_step_whose_memory_stops_growing_stops_the_search_and_says_so(caplog):
+    # X[:b] of 256 rows: past 256 every size costs the same; with no max_batch_size the search
+    # climbed to 1e25 in 25 trials
+    torch.manual_seed(0)
+    X, Y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(b: int) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[:b]), Y[:b]).backward()
+        opt.step()
+
+    with caplog.at_level(logging.WARNING, logger="batchpilot.find.finder"):
+        plan = find_batch_size(step, capacity="4MiB", device="cpu", restore=(model, opt))
+    assert plan.stop_reason == "plateau" and plan.num_trials <= 6, [t.batch_size for t in plan.trials]
+    assert 256 <= plan.batch_size < 10 * 256
+    assert f"memory did not grow past {plan.batch_size}" in plan.reason and "set max_batch_size" in plan.reason
+    assert "max_batch_size" in plan.to_raise() and plan.reason in caplog.text
+
+
 # ---------------------------------------------------------------------------
 # planner-seeded search (plan_first)
 

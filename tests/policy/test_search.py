@@ -219,6 +219,30 @@ def test_predict_stops_at_max_batch_size():
     assert all(b <= 100 for b in seq)
 
 
+def sliced(b: int) -> int:
+    # a step that slices X[:b] of a dataset of 256 rows: past 256 every size costs the same
+    return 10_000 + 300 * min(b, 256)
+
+
+@pytest.mark.parametrize("first_guess", [None, 100, 300])
+def test_predict_stops_where_memory_stops_growing(first_guess):
+    res, seq, space = run(PredictPolicy(first_guess=first_guess), sliced, capacity=206_000)
+    assert res.stop_reason == "plateau" and len(seq) <= 6
+    assert res.batch_size >= 256 and sliced(res.batch_size) == sliced(256)
+    assert res.batch_size == min(b for b in seq if sliced(b) == sliced(256))  # the smallest measured at the level
+    # a max_batch_size is the batch the user wants: the search goes up to it
+    res, seq, _ = run(PredictPolicy(first_guess=first_guess), sliced, capacity=206_000, max_batch_size=5_000)
+    assert (res.batch_size, res.stop_reason) == (5_000, "max_batch_size")
+
+
+def test_a_flat_start_is_no_plateau():
+    # level first, growing after (the optimizer step's fixed peak, then the activations): the search goes on
+    flat_first = lambda b: max(60_000, 10_000 + 300 * b)  # noqa: E731
+    res, _, space = run(PredictPolicy(), flat_first, capacity=206_000)
+    assert res.stop_reason == "boundary" and res.batch_size == true_max(flat_first, space.limit_bytes)
+    assert PredictPolicy().plateau(res.trials, space) is None
+
+
 @pytest.mark.parametrize("policy", [PredictPolicy(), BinsearchPolicy(), PowerPolicy(), DecayPolicy(start=8)])
 def test_nothing_fits(policy):
     # the smallest size is over the target (measured) for one, an OOM for the other

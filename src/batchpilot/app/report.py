@@ -26,7 +26,8 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     time_fit                  {fixed_seconds, seconds_per_sample}: seconds per step ~ fixed +
                               per_sample x batch through the timed trials that fitted | null
     stop_reason               the memory search's: "boundary" | "tolerance" | "max_batch_size" |
-                              "strategy" | "max_trials" | "verification" (the answer did not run again
+                              "strategy" | "max_trials" | "plateau" (the peak stopped growing with the
+                              batch: set a max batch size) | "verification" (the answer did not run again
                               after the search and a smaller one did)
     steps_per_trial,
     memory                    the figure judged, the limit kind's name (batchpilot.memory.limits; docs/cli.md

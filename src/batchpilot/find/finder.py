@@ -254,6 +254,8 @@ def find_batch_size(
     if result.stop_reason == "max_trials":
         logger.warning("stopped after %d trials before reaching the boundary; batch size %d may be low",
                        plan.num_trials, plan.batch_size)
+    if plan.stop_reason == "plateau":
+        logger.warning("batch size %d: %s", plan.batch_size, plan.reason)
     # the answer explained, once: what the integrations and the engine leave in a configured log
     logger.info("%s%s", plan.describe(), f"\n  {plan.compilations} graph(s) compiled" if compiled else "")
     shown.note(f"  batch size {plan.batch_size} after {plan.num_trials} trials, {plan.num_ooms} OOM, "
@@ -331,6 +333,10 @@ def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: Fin
     if largest is None:
         return None, ""
     memory = f"the largest that fits ({stop_reason})"
+    if stop_reason == "plateau":
+        top = max(t.batch_size for t in trials if t.fits)
+        memory = (f"memory did not grow past {largest} (the same peak up to {top}, the largest tried): "
+                  "set max_batch_size")
     if cfg.objective == "memory":
         return largest, memory
     choice = choose_fastest(timed_fits(trials, upto=largest), cfg.speed_tolerance)

@@ -62,8 +62,10 @@ class BatchPlan:
         seconds: wall time of the whole search.
         stop_reason: ``"boundary"`` (b fits, b + 1 does not), ``"tolerance"`` (within the
             tolerance of it), ``"max_batch_size"``, ``"strategy"`` (power / decay stop before the
-            boundary), ``"max_trials"``, or ``"verification"`` (the answer did not run again
-            after the search, and the finder stepped down to one that did).
+            boundary), ``"max_trials"``, ``"plateau"`` (no ``max_batch_size``, and the peak stopped
+            growing with the batch: the answer is the smallest size measured at that peak), or
+            ``"verification"`` (the answer did not run again after the search, and the finder
+            stepped down to one that did).
         steps_per_trial: training steps run per trial.
         limited_by_rank: in a distributed search, the rank whose memory set the
             answer (filled in by the distributed layer).
@@ -223,6 +225,9 @@ class BatchPlan:
             return "max_batch_size stopped it" + (f" (the memory line allows about {room})" if room else "")
         if self.stop_reason == "max_trials":
             return "max_trials stopped it before the boundary: raise max_trials"
+        if self.stop_reason == "plateau":
+            return ("nothing in memory: a larger batch peaked as high (does the step read fewer samples than "
+                    "it is asked for?); max_batch_size sets the batch you want")
         if self.stop_reason == "strategy":
             return f"strategy {self.strategy!r} stops below the boundary: strategy='predict' reaches it"
         hints = []

@@ -425,6 +425,10 @@ class SearchPolicy(ABC):
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         """The batch size to try next, or ``None`` when the search is over."""
 
+    def plateau(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        """The size past which the measured peak stopped growing, when the policy stops for it; else ``None``."""
+        return None
+
 
 @dataclass(kw_only=True)
 class PowerPolicy(SearchPolicy):
@@ -604,6 +608,11 @@ class PredictPolicy(SearchPolicy):
             return pair[0] if pair else _first_size(self.first_guess, space)
         if pair and len(trials) == 1 and trials[0].batch_size == pair[0] and trials[0].measured:
             return pair[1]
+        if self.plateau(trials, space) is not None:
+            return None
+        below = self._level_from_the_start(trials, space)
+        if below is not None:
+            return below
         if space.tensors is not None:
             sized = self._modelled(trials, space)
             if sized is not _CLASSIC:
@@ -632,6 +641,57 @@ class PredictPolicy(SearchPolicy):
             # then lands on a fit that is close enough, where aiming at it would fail half the time
             guess -= int(guess * self.rel_tolerance / 2)
         return _clamp(guess, floor + 1, upper)
+
+    def _noise(self, trials: Sequence[Trial], space: SearchSpace) -> float:
+        """How far apart two peaks may be and still count as level."""
+        starts = [t.start_bytes or 0 for t in trials if t.measured] or [0]
+        return max(self.tolerance_bytes, self.rel_tolerance * (space.limit_bytes - min(starts)),
+                   max(left_behind(t) for t in trials))
+
+    def _level_from_the_start(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        """``min_batch_size``, when every fit so far (from a first guess, over a doubling) peaked level.
+
+        A level stretch is a flat start or a plateau; only a smaller size tells them apart (lower:
+        a plateau, see :meth:`plateau`).
+        """
+        if space.upper is not None or bracket(trials)[1] is not None:
+            return None
+        pts = _points(trials)
+        if len(pts) < 2 or min(pts) <= space.min_batch_size or max(pts) < 2 * min(pts):
+            return None
+        if max(pts.values()) - min(pts.values()) > self._noise(trials, space):
+            return None
+        return space.min_batch_size
+
+    def plateau(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        """The smallest size at the peak the largest fits share, when the peak grew and then stopped.
+
+        Memory that grows with the batch grows at least as fast further on (convex: activations
+        overtake a fixed peak, never the reverse). A peak that grew between two fits and then
+        stays level, within the noise, over two larger ones, where that growth would have added
+        four times the noise, is a step that reads no more than some number of samples (``X[:b]``
+        of a dataset with fewer rows): every larger size costs the same, and without a
+        ``max_batch_size`` the search would climb without end. With one, or below a failure, the
+        search ends as it does anyway: ``None``.
+        """
+        if space.upper is not None or bracket(trials)[1] is not None:
+            return None
+        pts = _points(trials)
+        sizes = sorted(pts)
+        if len(sizes) < 4:
+            return None
+        noise = self._noise(trials, space)
+        top = pts[sizes[-1]]
+        level = len(sizes) - 1
+        while level > 0 and abs(top - pts[sizes[level - 1]]) <= noise:
+            level -= 1
+        if len(sizes) - level < 3 or level == 0:
+            return None  # fewer than two fits past the first one at the level, or no growth below it
+        a, p = sizes[level - 1], sizes[level]
+        grew = pts[p] - pts[a]
+        if grew <= noise or grew * (sizes[-1] - p) <= 4 * noise * (p - a):
+            return None
+        return p
 
     def _flat_at(self, b: int, trials: Sequence[Trial]) -> bool:
         """Whether a measured fit below ``b`` peaked as high as ``b`` (to ``tolerance_bytes``)."""
@@ -923,7 +983,9 @@ class SearchResult:
         stop_reason: ``"boundary"`` (b fits and b + 1 is known not to),
             ``"tolerance"`` (b is within the policy's relative tolerance of the boundary),
             ``"max_batch_size"``, ``"strategy"`` (an inexact policy stopped),
-            ``"max_trials"`` or ``"nothing_fits"``.
+            ``"max_trials"``, ``"nothing_fits"``, or ``"plateau"``: without a ``max_batch_size``,
+            the peak stopped growing with the batch (:meth:`PredictPolicy.plateau`), and
+            ``batch_size`` is the smallest size measured at that peak.
         space: the space at the end (a ``revise`` hook may have lowered its capacity).
     """
 
@@ -989,6 +1051,9 @@ def run_search(
     if not stopped and policy.next_size(trials, space) is None:
         stopped = True
     best, hi = bracket(trials)
+    level = policy.plateau(trials, space) if stopped else None
+    if level is not None:
+        return SearchResult(batch_size=level, trials=trials, stop_reason="plateau", space=space)
     if best is None:
         reason = "nothing_fits" if stopped else "max_trials"
     elif not stopped:

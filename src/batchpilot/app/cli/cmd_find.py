@@ -25,6 +25,7 @@ _STOPS = {
     "max_batch_size": "capped by --max-batch-size",
     "strategy": "where the strategy stops, not necessarily the boundary",
     "max_trials": "stopped after the most trials allowed",
+    "plateau": "memory stopped growing with the batch: set --max-batch-size",
 }
 
 
