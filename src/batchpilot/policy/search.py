@@ -642,11 +642,15 @@ class PredictPolicy(SearchPolicy):
             guess -= int(guess * self.rel_tolerance / 2)
         return _clamp(guess, floor + 1, upper)
 
-    def _noise(self, trials: Sequence[Trial], space: SearchSpace) -> float:
-        """How far apart two peaks may be and still count as level."""
+    def _level(self, trials: Sequence[Trial], space: SearchSpace) -> tuple[dict[int, int], float]:
+        """What each measured trial grew from its own start, and how far apart two may be and still count as level.
+
+        Growth, not the peak: on real memory the process creeps up between trials by what each
+        leaves behind, and a peak that creeps so is no growth with the batch.
+        """
+        grown = {t.batch_size: t.peak_bytes - (t.start_bytes or 0) for t in trials if t.measured}
         starts = [t.start_bytes or 0 for t in trials if t.measured] or [0]
-        return max(self.tolerance_bytes, self.rel_tolerance * (space.limit_bytes - min(starts)),
-                   max(left_behind(t) for t in trials))
+        return grown, max(self.tolerance_bytes, self.rel_tolerance * (space.limit_bytes - min(starts)))
 
     def _level_from_the_start(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         """``min_batch_size``, when every fit so far (from a first guess, over a doubling) peaked level.
@@ -656,10 +660,10 @@ class PredictPolicy(SearchPolicy):
         """
         if space.upper is not None or bracket(trials)[1] is not None:
             return None
-        pts = _points(trials)
+        pts, noise = self._level(trials, space)
         if len(pts) < 2 or min(pts) <= space.min_batch_size or max(pts) < 2 * min(pts):
             return None
-        if max(pts.values()) - min(pts.values()) > self._noise(trials, space):
+        if max(pts.values()) - min(pts.values()) > noise:
             return None
         return space.min_batch_size
 
@@ -668,28 +672,27 @@ class PredictPolicy(SearchPolicy):
 
         Memory that grows with the batch grows at least as fast further on (convex: activations
         overtake a fixed peak, never the reverse). A peak that grew between two fits and then
-        stays level, within the noise, over two larger ones, where that growth would have added
-        four times the noise, is a step that reads no more than some number of samples (``X[:b]``
-        of a dataset with fewer rows): every larger size costs the same, and without a
+        stays level, within the noise, at a larger one, where that growth would have added three
+        times the noise, is a step that reads no more than some number of samples (``X[:b]`` of a
+        dataset with fewer rows): every larger size costs the same, and without a
         ``max_batch_size`` the search would climb without end. With one, or below a failure, the
         search ends as it does anyway: ``None``.
         """
         if space.upper is not None or bracket(trials)[1] is not None:
             return None
-        pts = _points(trials)
+        pts, noise = self._level(trials, space)
         sizes = sorted(pts)
-        if len(sizes) < 4:
+        if len(sizes) < 3:
             return None
-        noise = self._noise(trials, space)
         top = pts[sizes[-1]]
         level = len(sizes) - 1
         while level > 0 and abs(top - pts[sizes[level - 1]]) <= noise:
             level -= 1
-        if len(sizes) - level < 3 or level == 0:
-            return None  # fewer than two fits past the first one at the level, or no growth below it
+        if len(sizes) - level < 2 or level == 0:
+            return None  # no fit past the first one at the level, or no growth below it
         a, p = sizes[level - 1], sizes[level]
         grew = pts[p] - pts[a]
-        if grew <= noise or grew * (sizes[-1] - p) <= 4 * noise * (p - a):
+        if grew <= noise or grew * (sizes[-1] - p) <= 3 * noise * (p - a):
             return None
         return p
 
