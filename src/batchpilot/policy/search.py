@@ -722,8 +722,11 @@ class PredictPolicy(SearchPolicy):
         if lo == upper:
             return None
         room = max(1, space.capacity_bytes - (pts[lo].start_bytes or 0))
-        # finer than what a trial leaves behind (JIT code for its shape) is noise, not memory
-        slack = max(self.rel_tolerance * room, max(left_behind(t) for t in pts.values()))
+        # finer than what a trial leaves behind (JIT code for its shape) is noise, not memory; what
+        # the latest trial left, not the most any did: the first large trial's one-time set-up (heap
+        # grown for good) is left once, is in every later trial's start, and would otherwise stop
+        # every search that ran it early that far short of the limit
+        slack = max(self.rel_tolerance * room, left_behind(next(t for t in reversed(trials) if t.measured)))
         if pts[lo].peak_bytes >= space.limit_bytes - slack:
             return None  # within the tolerance of the limit
         if hi is not None and hi - lo <= max(1, int(lo * self.rel_tolerance)):
