@@ -53,6 +53,7 @@ KNOWN = (
     Script("fsdp_faults", quick=("--launches", "2")),
     Script("fsdp_length_model"),
     Script("left_behind", quick=("--models", "transformer", "--cap-mib", "256")),
+    Script("first_guess", quick=("--runs", "1", "--guesses", "default,3300", "--malloc", "fixed")),
     Script("split_busy", quick=("--quick",)),
     Script("uneven", quick=("--quick",)),
 )
