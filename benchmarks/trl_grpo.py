@@ -218,10 +218,13 @@ def exactness_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(config: dict[str, Any], caps: list[int | None], out_dir: Path, timeout: float) -> list[dict[str, Any]]:
+def run(config: dict[str, Any], caps: list[int | None], out_dir: Path, timeout: float,
+        only: list[str] | None = None) -> list[dict[str, Any]]:
     runner = ForkRunner(PRELOAD)
     rows = []
     arms = [("batchpilot", 32, 1)] + [("trl", b, a) for b, a in config["trl"]]
+    if only:
+        arms = [(m, b, a) for m, b, a in arms if f"{m} {b}x{a}" in only]
     for cap in caps:
         for method, b, a in arms:
             spec = {"config": config, "method": method, "per_device": b, "accum": a, "headroom_mib": cap,
@@ -257,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exactness", action="store_true", help="the gradient table per loss_type instead")
     p.add_argument("--loss-types", type=lambda s: s.split(","), default=None,
                    help="with --exactness: these loss_types (default: every one TRL offers)")
+    p.add_argument("--arms", type=lambda s: s.split(","), default=None,
+                   help="only these arms, e.g. 'batchpilot 32x1,trl 4x8' (default: all)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per process")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         config = QUICK if args.quick else MID if args.mid else FULL
         out = Path("/tmp/bp_trl_grpo")
-        rows = run(config, args.caps or config["caps"], out, args.timeout)
+        rows = run(config, args.caps or config["caps"], out, args.timeout, args.arms)
         print(f"\n{datetime.date.today()} {machine()}\n")
         print(table(rows))
     if args.json:
