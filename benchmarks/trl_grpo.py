@@ -43,7 +43,7 @@ PRELOAD = ("torch", "_harness", "trl_grpo", "tiny_llama", "transformers", "datas
            "batchpilot.integrations.trl")
 
 FULL = {"context": 1024, "layers": 4, "hidden": 64, "words": 1000, "prompts": 256, "new": 64, "steps": 4,
-        "caps": [None, 1280, 1024, 512, 256], "trl": [(4, 8), (8, 4), (16, 2), (32, 1)]}
+        "caps": [None, 1280, 1024, 512, 256], "trl": [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2), (32, 1)]}
 #: a smaller workload with caps scaled to it, for a machine where FULL's 25 fresh processes take hours
 MID = {"context": 512, "layers": 2, "hidden": 64, "words": 1000, "prompts": 256, "new": 16, "steps": 2,
        "caps": [None, 256, 128, 64], "trl": [(4, 8), (8, 4), (32, 1)]}
