@@ -56,6 +56,8 @@ from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
 
 BUSY_COLUMNS = ("run", "fewest", "nominated", "default ran", "default", "fewest s", "old", "default/fewest",
                 "old/fewest", "goal")
+FORCED_COLUMNS = ("run", "forced timing", "nominated", "verdict", "after steps", "pair ratios (split/fewest)",
+                  "forced ran", "forced/fewest")
 QUIET_COLUMNS = ("run", "largest", "fewest", "old split", "default ran", "default/old", "fewest/old", "wall d/o",
                  "goal")
 VOCAB = 5000
@@ -117,18 +119,20 @@ def busy_worker(args: argparse.Namespace) -> dict[str, Any]:
     find_seconds = time.perf_counter() - t0
     print(f"  [run {args.seed}] plan {plan.batch_size} in {find_seconds:.0f} s, timed {plan.timed_points()}", file=sys.stderr, flush=True)
     engines = {}
-    copies = {}
-    for name in ("default", "fewest"):
+    plans = {"default": plan, "fewest": plan}
+    if args.force_factor:
+        plans["forced"] = forced_plan(plan, 64, args.force_factor)
+    for name, p in plans.items():
         m, o = copy.deepcopy((model, opt))
-        copies[name] = (m, o)
-        cfg = EngineConfig() if name == "default" else EngineConfig(split="fewest")
-        engines[name] = Engine(m, o, lm_loss, global_batch_size=64, start=plan, config=cfg)
+        cfg = EngineConfig(split="fewest") if name == "fewest" else EngineConfig()
+        engines[name] = Engine(m, o, lm_loss, global_batch_size=64, start=p, config=cfg)
     batches = [padded_batch(g, 64, args.longest) for _ in range(args.steps)]
     first = engines["default"].step(batches[0])  # the split is nominated on the first step
     nominated = engines["default"].split
     engines["fewest"].step(batches[0])
     assert nominated is not None
     fewest_split = engines["fewest"].split
+    forced_first = engines["forced"].step(batches[0]) if "forced" in engines else None
     if nominated.accum_steps != fewest_split.accum_steps:
         m, o = copy.deepcopy((model, opt))
         # what the engine kept before its real steps checked the split: the nomination, balanced, held
@@ -138,8 +142,20 @@ def busy_worker(args: argparse.Namespace) -> dict[str, Any]:
     steps = interleave(engines, batches[1:], f"[run {args.seed}] ")
     steps["default"].insert(0, {"seconds": first.seconds, "micro": first.micro_batch_size,
                                 "accum": first.accum_steps, "reason": first.micro_batch_reason})
+    forced: dict[str, Any] | None = None
+    if forced_first is not None:
+        steps["forced"].insert(0, {"seconds": forced_first.seconds, "micro": forced_first.micro_batch_size,
+                                   "accum": forced_first.accum_steps, "reason": forced_first.micro_batch_reason})
+        fc, fs = engines["forced"].batcher.check, engines["forced"].split
+        assert fs is not None
+        forced = {"nominated": [fs.micro_batch_size, fs.accum_steps], "nominated_reason": fs.reason,
+                  "timed": {str(b): t for b, t in plans["forced"].timed_points().items()},
+                  "verdict": None if fc is None else fc.verdict, "ratios": None if fc is None else fc.ratios(),
+                  "check_steps": None if fc is None else len(fc.seconds),
+                  "final": [engines["forced"].micro_batch_size, engines["forced"].micro_batch_reason]}
     check = engines["default"].batcher.check
     return {
+        "forced": forced,
         "find_seconds": find_seconds, "plan": {"batch_size": plan.batch_size, "timed": plan.timed_points()},
         "fewest": [fewest_split.micro_batch_size, fewest_split.accum_steps],
         "nominated": [nominated.micro_batch_size, nominated.accum_steps], "nominated_reason": nominated.reason,
@@ -149,6 +165,23 @@ def busy_worker(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "median": {n: statistics.median(s["seconds"] for s in st) for n, st in steps.items()},
     }
+
+
+def forced_plan(plan: Any, total: int, factor: float) -> Any:
+    """``plan`` with the trials smaller than the fewest micro-batch timed ``factor`` times their time.
+
+    What a quiet moment during the small trials (and load during the large ones) does to the
+    figures a split is nominated from: the issue's batch-1 trial read 0.29 s in one run and
+    3.36 s in another. The default engine started from it nominates a finer split, which is
+    wrong on this model, and the check against the real steps has to catch it.
+    """
+    forced = copy.deepcopy(plan)
+    largest = min(int(forced.batch_size), total)
+    fewest = -(-total // -(-total // largest))
+    for t in forced.trials:
+        if t.step_seconds and t.batch_size < fewest:
+            t.step_seconds *= factor
+    return forced
 
 
 # ---------------------------------------------------------------------------
@@ -215,7 +248,8 @@ def run_busy(args: argparse.Namespace) -> list[dict[str, Any]]:
         procs = {}
         for run in runs[start:start + args.parallel]:
             cmd = [sys.executable, __file__, "--worker", "--seed", str(run), "--steps", str(args.steps),
-                   "--longest", str(args.longest), "--capacity", args.capacity] + (["--quick"] if args.quick else [])
+                   "--longest", str(args.longest), "--capacity", args.capacity,
+                   "--force-factor", str(args.force_factor)] + (["--quick"] if args.quick else [])
             # its progress (stderr) passes through; its result is the line on stdout
             procs[run] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -253,6 +287,17 @@ def busy_row(r: dict[str, Any]) -> tuple:
             "met" if r["default_over_fewest"] <= 1.5 else "missed")
 
 
+def forced_row(r: dict[str, Any]) -> tuple:
+    f = r["forced"]
+    ran = sorted({(s["accum"], s["micro"]) for s in r["steps"]["forced"]})
+    timed = ", ".join(f"{b}: {t:.2f}" for b, t in sorted(((int(b), t) for b, t in f["timed"].items())))
+    return (r["run"], timed, _split(f["nominated"]), f["verdict"] or "not checked",
+            "-" if f["check_steps"] is None else f["check_steps"],
+            "-" if not f["ratios"] else ", ".join(f"{x:.2f}" for x in f["ratios"]),
+            ", ".join(f"{k} x {m}: {sum(1 for s in r['steps']['forced'] if s['accum'] == k)}" for k, m in ran),
+            f"{r['median']['forced'] / r['median']['fewest']:.3f}")
+
+
 def quiet_row(r: dict[str, Any]) -> tuple:
     ran = sorted({(s["accum"], s["micro"]) for s in r["steps"]["default"]})
     med = r["median"]
@@ -275,6 +320,15 @@ def format_result(doc: dict[str, Any]) -> str:
                 f"default/fewest: median {statistics.median(ratios):.3f} over {len(rows)} runs, worst "
                 f"{max(ratios):.3f}; goal (median <= 1.10, none over 1.5): "
                 + ("met" if statistics.median(ratios) <= 1.10 and max(ratios) <= 1.5 else "missed")]
+        forced = [r for r in rows if r.get("forced")]
+        if forced:
+            fr = [r["median"]["forced"] / r["median"]["fewest"] for r in forced]
+            out += ["", f"forced: the default engine from the plan with the trials below the fewest micro-batch "
+                        f"timed x{doc['force_factor']} ('forced timing': s/step per size), trained beside the others; "
+                        "'after steps': the real steps the check took to its verdict",
+                    format_table(FORCED_COLUMNS, [forced_row(r) for r in forced]),
+                    f"forced/fewest: median {statistics.median(fr):.3f} over {len(fr)} runs, worst {max(fr):.3f}; "
+                    f"reverted in {sum(r['forced']['verdict'] == 'fewest' for r in forced)} of {len(forced)}"]
     if doc["quiet"]:
         out += ["", f"quiet: speed.py's CNN (train, one thread), the engine's own search at {doc['quiet_capacity']}, "
                     f"global batch {doc['quiet'][0]['total']}, median step CPU time over the steps after the first "
@@ -297,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cotenant", type=Path, default=None, help="cotenant.py to run beside the busy runs")
     p.add_argument("--cotenant-args", default="--procs 2 --threads 2 --on 0.1,1.5 --off 0.1,1.5",
                    help="its arguments (default: 2 processes, bursts of 0.1-1.5 s on and off)")
+    p.add_argument("--force-factor", type=float, default=0.0,
+                   help="also train an engine (default config) from the plan with the trials below the fewest "
+                        "micro-batch timed this many times their time (e.g. 0.05): a split nominated wrongly, "
+                        "which the check against real steps must catch (default 0: none)")
     p.add_argument("--quiet-runs", type=int, default=3, help="quiet CNN runs (default 3; 0 skips)")
     p.add_argument("--quiet-steps", type=int, default=24, help="steps per engine per quiet run (default 24)")
     p.add_argument("--quiet-batch", type=int, default=96,
@@ -318,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "split_busy", "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/split_busy.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(), "capacity": args.capacity, "quiet_capacity": args.quiet_capacity, "steps": args.steps,
+        "force_factor": args.force_factor,
         "cotenant": None if args.cotenant is None else f"{args.cotenant.name} {args.cotenant_args}",
         "busy": [], "quiet": [],
     }
