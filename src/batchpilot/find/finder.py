@@ -48,6 +48,7 @@ from ..policy.search import (
     predict_peak,
     run_search,
 )
+from ..policy.evidence import decide_throughput
 from ..policy.speed import choose_fastest, fit_time, search_throughput, timed_fits
 from .notes import note_trial_error
 from .options import FindOptions
@@ -217,11 +218,13 @@ def find_batch_size(
             if result.batch_size is None and result.stop_reason == "nothing_fits" and floor > cfg.min_batch_size:
                 result = _below_floor(result, policy, space, cfg.min_batch_size, trial_fn, report, revise)
                 space = result.space or space
+            rounds = None
             if cfg.objective == "throughput" and result.batch_size is not None:
-                search_throughput(result.trials, trial_fn, lowest=cfg.min_batch_size, highest=result.batch_size,
-                                  tolerance=cfg.speed_tolerance, max_trials=cfg.max_trials, on_trial=report,
-                                  retime=trial_fn.retime)
-            answer, reason = _answer(result.trials, result.batch_size, result.stop_reason, cfg)
+                rounds = search_throughput(result.trials, trial_fn, lowest=cfg.min_batch_size,
+                                           highest=result.batch_size, tolerance=cfg.speed_tolerance,
+                                           max_trials=cfg.max_trials, on_trial=report, retime=trial_fn.retime,
+                                           settled=lambda v: _settled(v, cfg.speed_tolerance))
+            answer, reason = _answer(result.trials, result.batch_size, result.stop_reason, cfg, rounds)
             largest, stop_reason = result.batch_size, result.stop_reason
             if answer is not None and lockstep is None:
                 checked = _verify(answer, trial_fn, learner, report, floor=cfg.min_batch_size, tolerance=tol)
@@ -328,8 +331,14 @@ def _below_floor(result: SearchResult, policy: SearchPolicy, space: SearchSpace,
 # -- speed: the hook of batchpilot.policy.speed into the search -------------------------------------------
 
 
-def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: FindOptions) -> tuple[int | None, str]:
-    """The batch size the objective picks among the trials, and why."""
+def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: FindOptions,
+            rounds: list[dict[int, float]] | None = None) -> tuple[int | None, str]:
+    """The batch size the objective picks among the trials, and why.
+
+    With ``rounds`` (the throughput search's side-by-side re-timings) the throughput objective
+    takes a smaller batch only on evidence beyond their noise
+    (:func:`~batchpilot.policy.evidence.decide_throughput`), else the largest that fits.
+    """
     if largest is None:
         return None, ""
     memory = f"the largest that fits ({stop_reason})"
@@ -339,10 +348,19 @@ def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: Fin
                   "set max_batch_size")
     if cfg.objective == "memory":
         return largest, memory
+    decision = decide_throughput(rounds, cfg.speed_tolerance) if rounds else None
+    if decision is not None and decision.largest == largest:
+        return decision.batch_size, decision.reason
     choice = choose_fastest(timed_fits(trials, upto=largest), cfg.speed_tolerance)
     if choice is None:  # e.g. no step could be timed without a tracker in the way
         return largest, f"{memory}: no trial was timed"
     return choice.batch_size, choice.reason
+
+
+def _settled(rounds: list[dict[int, float]], tolerance: float) -> bool:
+    """Whether the throughput search's rounds so far decide its answer (more rounds while only the noise stands)."""
+    decision = decide_throughput(rounds, tolerance)
+    return decision is None or decision.settled
 
 
 def _limit(target: float, capacity: int, base: int | None) -> int:

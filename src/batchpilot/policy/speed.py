@@ -33,6 +33,7 @@ __all__ = [
     "ThroughputSearch",
     "timed_fits",
     "decisive_sizes",
+    "spare_size",
     "search_throughput",
     "SplitChoice",
     "split_seconds",
@@ -361,22 +362,53 @@ def decisive_sizes(points: Mapping[int, float], tolerance: float = SPEED_TOLERAN
     return sorted({choice.batch_size, choice.best_batch_size, max(points), *([max(below)] if below else [])})
 
 
+def spare_size(points: Mapping[int, float], tolerance: float = SPEED_TOLERANCE, spacing: float = 1.125) -> int | None:
+    """A size between the throughput answer and the largest, where the time line puts half the ``tolerance``.
+
+    The answer of :func:`choose_fastest` sits at the tolerance's edge by construction, so on a
+    noisy clock the evidence seldom clears it (:func:`~batchpilot.policy.evidence.decide_throughput`),
+    and the next candidate would be the largest. This size gives up half as much: timed beside
+    the others, it is the smaller batch that noise of up to about a quarter of the tolerance per
+    round still lets through. ``None`` without a line, or when it lies within ``spacing`` (a ratio)
+    of the answer or the largest.
+    """
+    choice = choose_fastest(points, tolerance)
+    fit = fit_time(points)
+    if choice is None or fit is None:
+        return None
+    knee = fit.knee((1.0 - tolerance / 2) * choice.best_samples_per_second)
+    top = max(points)
+    if knee is None or not choice.batch_size * spacing < knee < top / spacing:
+        return None
+    return math.ceil(knee)
+
+
 def search_throughput(
     trials: list[Any], run_trial: Callable[[int], Any], *, lowest: int, highest: int,
     tolerance: float = SPEED_TOLERANCE, max_trials: int = 25, on_trial: Callable[[Any], None] | None = None,
     retime: Callable[[int], float | None] | None = None, rounds: int = 3,
-) -> None:
+    settled: Callable[[list[dict[int, float]]], bool] | None = None, max_rounds: int = 6,
+) -> list[dict[int, float]] | None:
     """Time the sizes :class:`ThroughputSearch` asks for below ``highest``, appending each trial to ``trials``.
 
     ``trials`` are the memory search's (``highest`` the largest that fitted); ``run_trial`` runs
     one more and returns its :class:`batchpilot.policy.search.Trial`. When the search is done, and
     ``retime`` is given (the fastest of a fresh visit's timed steps at a size, or ``None``),
-    the :func:`decisive_sizes` are visited ``rounds`` more times, in turn, and each trial's
+    the :func:`decisive_sizes` and the :func:`spare_size` (a trial first) are visited ``rounds``
+    more times, in turn, and each trial's
     ``step_seconds`` becomes the median over its visits; if that changes the choice, the
     search goes on from there (three times at most). Stops early when ``trials`` holds
     ``max_trials`` (logged: the answer may then be larger than the knee).
+
+    With ``settled`` (whether the rounds so far decide the answer), more rounds follow while they
+    do not, up to ``max_rounds``: on a noisy clock more evidence rather than a guess.
+
+    Returns the last re-timing's rounds, ``[{batch size: seconds}, ...]`` in the order they ran
+    (the evidence :func:`~batchpilot.policy.evidence.decide_throughput` decides on), or ``None``
+    without ``retime`` or before any re-timing.
     """
     search = ThroughputSearch(tolerance=tolerance)
+    visits: list[dict[int, float]] | None = None
     for _ in range(3):
         while (b := search.next_size(timed_fits(trials), lowest=lowest, highest=highest)) is not None:
             if any(t.batch_size == b for t in trials):  # tried, but not timed (e.g. over the target)
@@ -384,7 +416,7 @@ def search_throughput(
             if len(trials) >= max_trials:
                 logger.warning("the throughput search stopped at max_trials=%d; raise it for a closer answer",
                                max_trials)
-                return
+                return visits
             trial = run_trial(b)
             trials.append(trial)
             if on_trial is not None:
@@ -392,22 +424,36 @@ def search_throughput(
         points = timed_fits(trials, upto=highest)
         before = choose_fastest(points, tolerance)
         if retime is None or before is None:
-            return
+            return visits
         sizes = decisive_sizes(points, tolerance)
+        spare = spare_size(points, tolerance)
+        if spare is not None and all(t.batch_size != spare for t in trials) and len(trials) < max_trials:
+            trial = run_trial(spare)
+            trials.append(trial)
+            if on_trial is not None:
+                on_trial(trial)
+            if trial.fits and trial.step_seconds:
+                sizes = sorted({*sizes, spare})
         by_size = {t.batch_size: t for t in trials if t.fits and t.step_seconds}
         seen = {b: [by_size[b].step_seconds] for b in sizes}
-        for r in range(rounds):
+        visits = []
+        r = 0
+        while r < rounds or (settled is not None and r < max_rounds and not settled(visits)):
+            visits.append({})
             for b in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
                 seconds = retime(b)
                 if seconds is not None:
                     seen[b].append(seconds)
+                    visits[-1][b] = seconds
+            r += 1
         for b in sizes:
             # each visit's fastest step, then the median over visits: a size timed in a quiet
             # moment is not favoured over one timed under load
             by_size[b].step_seconds = statistics.median(seen[b])
         after = choose_fastest(timed_fits(trials, upto=highest), tolerance)
         if after is None or (after.batch_size, after.best_batch_size) == (before.batch_size, before.best_batch_size):
-            return
+            return visits
+    return visits
 
 
 def split_seconds(total: int, parts: int, step_time: Callable[[int], float]) -> float:
