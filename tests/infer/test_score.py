@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tiny_llama
+from batchpilot.find import timing
 from batchpilot.infer import score as score_mod
 from batchpilot.infer.score import LengthScorer, batch_end, score_by_length
 from batchpilot.policy.search import BatchSizeError, NothingFitsError
@@ -252,6 +253,89 @@ def test_errors_of_run_batch_keep_their_type_and_a_wrong_count_is_named(model) -
 def test_a_request_that_does_not_fit_alone(model) -> None:
     with pytest.raises(NothingFitsError, match="nothing fits"):
         score_by_length(Scorer(model), _requests(n=10, long=2), length=len, capacity="64KiB", track=[model])
+
+
+class Clock:
+    """The finder's clock (:data:`batchpilot.find.timing.clock`), moved only by the scoring calls."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ClockedScorer(Scorer):
+    """A real scoring call that also moves the clock by ``cost(padded tokens, call number)``."""
+
+    def __init__(self, model, clock: Clock, cost) -> None:
+        super().__init__(model)
+        self.clock, self.cost = clock, cost
+
+    def __call__(self, batch, width=None):
+        out = super().__call__(batch, width)
+        tokens = len(batch) * (max(len(r) for r in batch) if width is None else width)
+        self.clock.now += self.cost(tokens, len(self.calls))
+        return out
+
+
+def _by_line(model, monkeypatch, cost):
+    clock = Clock()
+    monkeypatch.setattr(timing, "clock", clock)
+    requests = _requests(60, long=6, seed=3)
+    run = ClockedScorer(model, clock, cost)
+    scorer = LengthScorer(run, length=len, capacity=CAP, track=[model], max_batch_size=4)
+    out = scorer.score(requests)
+    assert out == pytest.approx(_alone(model, requests), rel=1e-5, abs=1e-4)
+    return scorer, [b for b in scorer.batches if not b.trial]
+
+
+def test_the_timed_batching_is_kept_when_the_real_calls_take_what_its_line_predicts(model, monkeypatch) -> None:
+    scorer, real = _by_line(model, monkeypatch, lambda tokens, n: 0.02 + 1e-5 * tokens)
+    assert scorer.check is not None and scorer.check.verdict == "timed"
+    assert scorer.batching_reason.startswith("batched by the measured call overhead: 4 real calls took 1.00x")
+    predicted = [b for b in real if b.predicted is not None]
+    assert len(predicted) >= 4 and all(b.predicted == pytest.approx(b.seconds) for b in predicted)
+
+
+def test_a_line_the_real_calls_disagree_with_goes_back_to_batching_by_length(model, monkeypatch) -> None:
+    # exact times at first (the line is nominated on them), then every call three times as long
+    # as the line says: the check must see it and stop trusting the line, for the rest of the run
+    box: dict[str, int] = {}
+
+    def cost(tokens: int, n: int) -> float:
+        base = 0.02 + 1e-5 * tokens
+        return 3 * base if "from" in box and n >= box["from"] else base
+
+    original = LengthScorer._check_line
+
+    def nominated(self, line, tokens, seconds):
+        original(self, line, tokens, seconds)
+        if self.check is not None and "from" not in box:
+            box["from"] = len(self.batches) + 1  # run_batch's next call number
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(LengthScorer, "_check_line", nominated)
+    try:
+        scorer, real = _by_line(model, monkeypatch, cost)
+    finally:
+        monkey.undo()
+    assert scorer.check is not None and scorer.check.verdict == "simple"
+    assert scorer.batching_reason.startswith("batched by length alone") and "3.00x" in scorer.batching_reason
+    checked = [i for i, b in enumerate(real) if b.predicted is not None]
+    after = real[checked[-1] + 1:]
+    assert len(checked) == 4 and after  # the check's 4 calls (the nominating one first), then none
+    assert all(b.predicted is None for b in after)
+
+
+def test_calls_that_scatter_beyond_the_tolerance_never_batch_by_a_line(model, monkeypatch) -> None:
+    rng = torch.Generator().manual_seed(0)
+
+    def noisy(tokens: int, n: int) -> float:  # a co-tenant stretching each call by 1-2x
+        return (0.02 + 1e-5 * tokens) * float(1 + torch.rand((), generator=rng))
+
+    scorer, real = _by_line(model, monkeypatch, noisy)
+    assert scorer.check is None and all(b.predicted is None for b in real)
+    assert scorer.batching_reason.startswith("batched by length alone")
 
 
 def test_batch_end_never_pads_more_than_the_calls_it_saves() -> None:

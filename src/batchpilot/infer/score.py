@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
@@ -24,6 +23,7 @@ import torch
 
 from .._checks import check_int, positive_int
 from .._progress import stage
+from ..find import timing
 from ..find.finder import find_batch_size
 from ..find.options import FindOptions
 from ..find.lengths import LengthPlan
@@ -35,9 +35,10 @@ from ..memory.oom import attempt, free_memory
 from ..memory.probes import emulate_capacity
 from ..memory.tracker import active_tracker
 from ..memory.units import format_bytes, resolve_device
+from ..policy.evidence import BatchingCheck, OverheadFit, fit_overhead
 from ..policy.lengths import LengthBudget, LengthFit, choose_fit_lengths, fit_lengths
 from ..policy.search import BatchSizeError, NothingFitsError
-from ..policy.speed import SPEED_TOLERANCE, fit_time
+from ..policy.speed import SPEED_TOLERANCE
 from .ranks import exchange
 
 __all__ = ["ScoreBatch", "LengthScorer", "batch_end", "score_by_length"]
@@ -55,6 +56,8 @@ _SEARCH_TOLERANCE = 0.05
 _OOM_CORRECTION = 1.25
 #: a call's fixed cost near a length is measured on the batches within this factor of it
 _TIME_BAND = 2.0
+#: how batches are cut without a time line that holds
+_UNTIMED = "batched by length alone (requests at least half as long as the first)"
 #: the model's limit is lowered by this many times the searches' largest distance of a peak from its line
 _SCATTER_MARGIN = 2.0
 
@@ -72,6 +75,8 @@ class ScoreBatch:
         oom: it ran out of memory (its requests were run again in smaller batches).
         peak_bytes: the peak of the memory figure that fails on the device, when measured.
         seconds: wall time of the call, when measured (not for trials).
+        predicted: the seconds the measured call overhead predicted for it, when it was batched
+            by that (``None``: batched by length alone).
     """
 
     size: int
@@ -81,6 +86,7 @@ class ScoreBatch:
     oom: bool = False
     peak_bytes: int | None = None
     seconds: float | None = None
+    predicted: float | None = None
 
 
 class LengthScorer(Generic[R, T]):
@@ -113,6 +119,13 @@ class LengthScorer(Generic[R, T]):
         budget: the per-length budget (``None`` before the first search).
         plan: the last sizing's searches (a :class:`~batchpilot.find.lengths.LengthPlan`).
         batches: every ``run_batch`` call of the last :meth:`score`, trials included.
+        batching_reason: how the batches are cut by length, and why, in one line: by length
+            alone (requests at least half as long as the first) until the calls' times fit a
+            line ``fixed + per_token × tokens`` to within the speed tolerance, then by that line
+            (a call's fixed cost against its padding), kept only if the next real calls take the
+            time it predicts (:class:`~batchpilot.policy.evidence.BatchingCheck`), else by length
+            alone for good.
+        check: that check of the real calls (``None`` before the line is first used).
 
     Raises:
         ValueError: a ``run_batch`` or ``length`` that is not callable, a bad ``max_length`` or
@@ -157,7 +170,11 @@ class LengthScorer(Generic[R, T]):
         self.budget: LengthBudget | None = None
         self.plan: LengthPlan | None = None
         self.batches: list[ScoreBatch] = []
-        self._times: dict[tuple[int, int], float] = {}  # {(padded length, tokens): fastest seconds} of the batches run
+        self._calls: dict[tuple[int, int], list[float]] = {}  # {(padded length, tokens): seconds of each call}
+        self.check: BatchingCheck | None = None
+        self._checked: OverheadFit | None = None  # the line under check, held as it was nominated
+        self.batching_reason = (f"{_UNTIMED}: no line through the calls' times predicts them within "
+                                f"{SPEED_TOLERANCE:.0%}")
         self._others: list[LengthBudget] = []  # the other ranks' budgets, from the last agreement
 
     # ------------------------------------------------------------------ the public call
@@ -356,19 +373,21 @@ class LengthScorer(Generic[R, T]):
                 raise self._nothing_fits(L, None, "does not fit even alone under the memory limit")
             stop = next((k for k in range(pos + 1, min(n, pos + size)) if order[k] in results), min(n, pos + size))
             # within the speed tolerance the time model cannot tell the two apart: fewer calls win
-            end = batch_end(ordered, pos, stop, self._overhead_tokens(L), SPEED_TOLERANCE)
+            line = self._line(L)
+            end = batch_end(ordered, pos, stop, None if line is None else line.overhead_tokens, SPEED_TOLERANCE)
             idx = order[pos:end]
             batch = [requests[i] for i in idx]
             gauge.synchronize()
             gauge.reset()
-            began = time.perf_counter()
+            began = timing.clock()
             outcome = attempt(self._call, batch, L, device=self.device)
             gauge.synchronize()
-            seconds = time.perf_counter() - began
+            seconds = timing.clock() - began
             peak = int(gauge.peak())
             gauge.close()
+            tokens = len(idx) * L
             self.batches.append(ScoreBatch(size=len(idx), length=L, oom=outcome.oom, peak_bytes=peak,
-                                           seconds=seconds))
+                                           seconds=seconds, predicted=None if line is None else line.predict(tokens)))
             if outcome.oom:
                 if len(idx) == 1:
                     raise self._nothing_fits(L, peak, f"ran out of memory alone ({outcome.message})")
@@ -380,28 +399,45 @@ class LengthScorer(Generic[R, T]):
                 continue
             for i, value in zip(idx, outcome.result):
                 results[i] = value
-            tokens = len(idx) * L
-            self._times[L, tokens] = min(seconds, self._times.get((L, tokens), math.inf))
+            self._check_line(line, tokens, seconds)
+            self._calls.setdefault((L, tokens), []).append(seconds)
             self._observe(L, len(idx), peak)
             pos = end
 
-    def _overhead_tokens(self, length: int) -> float | None:
-        """A call's fixed cost in tokens' worth of compute near ``length``, from the batches timed there (``None``: too few).
+    def _line(self, length: int) -> OverheadFit | None:
+        """The time line of the calls near ``length`` if it predicts them within the speed tolerance; else ``None``.
 
-        Only batches within :data:`_TIME_BAND` of ``length``: a token costs more in long rows
-        (attention grows with the square of the length), so a line through long and short batches
-        alike leans on the long ones and puts the fixed cost at zero.
+        Only calls within :data:`_TIME_BAND` of ``length``: a token costs more in long rows
+        (attention grows with the square of the length), so a line through long and short calls
+        alike leans on the long ones and puts the fixed cost at zero. ``None`` (batching by length
+        alone) too once the check of the real calls went against the line; while the check runs,
+        the line as it was nominated (a line fitted again on each call would follow the calls it
+        is checked on, and agree with them whatever they took).
         """
-        near: dict[int, float] = {}
-        for (L, tokens), seconds in self._times.items():
-            if length <= L * _TIME_BAND and L <= length * _TIME_BAND:
-                near[tokens] = min(seconds, near.get(tokens, math.inf))
-        fit = fit_time(near) if len(near) >= 2 else None
-        if fit is None:
+        if self.check is not None and self.check.verdict == "simple":
             return None
-        if fit.seconds_per_sample <= 0:
-            return math.inf
-        return fit.fixed_seconds / fit.seconds_per_sample
+        if self.check is not None and self.check.verdict is None:
+            return self._checked  # the line under check cuts, and predicts, the calls it is checked on
+        near: dict[int, list[float]] = {}
+        for (L, tokens), seconds in self._calls.items():
+            if length <= L * _TIME_BAND and L <= length * _TIME_BAND:
+                near.setdefault(tokens, []).extend(seconds)
+        return fit_overhead(near, SPEED_TOLERANCE)
+
+    def _check_line(self, line: OverheadFit | None, tokens: int, seconds: float) -> None:
+        """A call batched by ``line`` took ``seconds``: the check of the line against the real calls."""
+        if line is None or seconds <= 0:
+            return
+        if self.check is None:
+            self.check, self._checked = BatchingCheck(noise=line.noise, tolerance=SPEED_TOLERANCE), line
+            self.batching_reason = (f"batched by the measured call overhead ({line.overhead_tokens:,.0f} tokens' "
+                                    f"worth per call, noise ±{line.noise:.1%} over {line.calls} calls); "
+                                    f"checking it on the next {self.check.calls} real calls")
+        if self.check.verdict is not None:
+            return
+        if self.check.observe(line.predict(tokens), seconds) is not None:
+            self.batching_reason = self.check.reason
+            (logger.info if self.check.verdict == "timed" else logger.warning)("scoring: %s", self.batching_reason)
 
     def _nothing_fits(self, length: int, peak: int | None, what: str) -> NothingFitsError:
         budget = self.budget
