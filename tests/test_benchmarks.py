@@ -253,6 +253,17 @@ def test_split_busy_quick_runs_the_reproduction_and_the_quiet_check(tmp_path):
     assert {"default", "fewest", "old"} <= set(quiet["steps"]) and quiet["total"] == 16
 
 
+@pytest.mark.bench
+def test_noise_rules_prints_the_before_and_after_table(tmp_path):
+    out = tmp_path / "noise.json"
+    proc = run_script("noise_rules.py", "--seeds", "3", "--sigmas", "0,0.3", "--json", str(out))
+    assert "before: worst" in proc.stdout and "after = largest" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and {r["curve"] for r in rows} == {"saturating", "falling"}
+    quiet = next(r for r in rows if r["curve"] == "saturating" and r["sigma"] == 0)
+    assert quiet["before_median"] == quiet["after_median"]  # a quiet clock: both rules answer the knee
+
+
 def test_geometric_sweep_sizes():
     import speed
 
