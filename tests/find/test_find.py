@@ -698,7 +698,7 @@ def test_a_trial_predicted_past_a_killing_limit_is_refused_and_never_run():
     """The 42-million-sample trial of a machine-sized capacity: refused from the measured line, not run."""
     from types import SimpleNamespace
 
-    from batchpilot.find.finder import _TrialRunner
+    from batchpilot.find.trials import TrialRunner as _TrialRunner
     from batchpilot.policy.search import FIT, REFUSED, SearchSpace, Trial
 
     ran: list[int] = []

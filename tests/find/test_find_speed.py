@@ -16,7 +16,8 @@ from torch import nn
 from batchpilot.app.report import SCHEMAS, plan_record, to_json
 from batchpilot.core.batch import make_batch_fn
 from batchpilot.find import timing
-from batchpilot.find.finder import _TrialRunner, find_batch_size
+from batchpilot.find.finder import find_batch_size
+from batchpilot.find.trials import TrialRunner as _TrialRunner
 from batchpilot.find.front import find_batch_size_for
 from batchpilot.find.snapshot import StateSnapshot
 from batchpilot.memory.gauge import Gauge

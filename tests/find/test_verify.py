@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchpilot.find import finder
+from batchpilot.find import finder, search
 from batchpilot.find.finder import find_batch_size
 from batchpilot.memory.gauge import Gauge
 from batchpilot.policy.search import FIT, OOM
@@ -60,7 +60,7 @@ def device(monkeypatch):
     # fragments that the allocator cannot give back: 12 MB per OOM, 60 MB in all
     sim = SimulatedDevice(capacity=1000 * MB, held=100 * MB, fixed=50 * MB, per_sample=4 * MB, left_per_oom=12 * MB,
                           most_left=60 * MB)
-    monkeypatch.setattr(finder, "gauge_for", lambda dev, emulated_capacity=None: sim)
+    monkeypatch.setattr(search, "gauge_for", lambda dev, emulated_capacity=None: sim)
     return sim
 
 
@@ -90,7 +90,7 @@ def test_an_answer_that_ran_last_far_below_the_capacity_is_not_run_again(device)
 def test_when_nothing_runs_again_the_search_says_nothing_fits(monkeypatch):
     # a device whose every OOM leaves so much behind that nothing fits by the end
     sim = SimulatedDevice(capacity=1000 * MB, held=100 * MB, fixed=50 * MB, per_sample=4 * MB, left_per_oom=400 * MB)
-    monkeypatch.setattr(finder, "gauge_for", lambda dev, emulated_capacity=None: sim)
+    monkeypatch.setattr(search, "gauge_for", lambda dev, emulated_capacity=None: sim)
     with pytest.raises(finder.NothingFitsError):
         find_batch_size(sim.step, device="cpu", strategy="binsearch", target=1.0)
 
@@ -102,8 +102,8 @@ def test_a_memory_line_that_does_not_rise_is_no_model():
     # baseline the peaks rise by 1 MB a sample, not the raw 1.4 MB
     crept = [Trial(batch_size=b, outcome=FIT, peak_bytes=p, start_bytes=s)
              for b, p, s in ((10, 110 * MB, 100 * MB), (20, 124 * MB, 104 * MB))]
-    assert finder._memory_line(crept, limit=200 * MB, base=100 * MB) == pytest.approx((100 * MB, 1 * MB))
+    assert search.memory_line(crept, limit=200 * MB, base=100 * MB) == pytest.approx((100 * MB, 1 * MB))
     # raw peaks that fall with the batch (noise larger than the samples between two trials): no line
     falling = [Trial(batch_size=b, outcome=FIT, peak_bytes=p, start_bytes=100 * MB)
                for b, p in ((10, 130 * MB), (20, 125 * MB))]
-    assert finder._memory_line(falling, limit=200 * MB, base=100 * MB) is None
+    assert search.memory_line(falling, limit=200 * MB, base=100 * MB) is None

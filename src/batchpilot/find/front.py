@@ -123,84 +123,95 @@ def find_batch_size_for(
         raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
     if target is not None:
         overrides["target"] = target
-    # bad options fail here, before any work; the mode decides an objective left open
-    opts = FindOptions.build(options, **overrides)
-    opts = FindOptions.build(opts, objective=opts.objective or _DEFAULT_OBJECTIVE[mode])
+    user = FindOptions.build(options, **overrides)  # bad options fail here, before any work
     if lengths is not None:  # one search per fitted length, each through this function
         from .lengths import find_per_length
 
         return find_per_length(
             find_batch_size_for, model, batch, lengths=lengths, seq_dim=seq_dim, optimizer=optimizer,
             loss_fn=loss_fn, mode=mode, amp=amp, scaler=scaler, restore=restore, plan_first=plan_first,
-            shared=shared, split_fn=split_fn, search=search, device=device, options=opts,
+            shared=shared, split_fn=split_fn, search=search, device=device,
+            options=FindOptions.build(user, objective=user.objective or _DEFAULT_OBJECTIVE[mode]),
         )
-    if _sharded_over_ranks(model) and search is None:
-        # every rank runs the same trials (an OOM in one rank's trial would leave the others
-        # waiting in a collective), and lockstep searches size by memory
-        if _lockstep_search is None:
-            raise ValueError(
-                "the model is sharded with fully_shard over several ranks, whose trials must run in lockstep: "
-                "pass search=batchpilot.dist.fsdp.find_batch_size_fsdp"
-            )
-        search = _lockstep_search()
-        if overrides.get("objective") is None and (options is None or options.objective is None):
-            opts = FindOptions.build(opts, objective="memory")
+    sharded = search is None and _sharded_over_ranks(model)
+    search = _lockstep_search_or_fail() if sharded else search
     dtype = _amp_dtype(amp)
+    _check_training(mode, optimizer, loss_fn)
+    loss = as_loss_fn(loss_fn) if loss_fn is not None else None
+    layout = BatchLayout.of(shared, split_fn)
+    make = make_batch_fn(batch, layout)
+    # what this call decides, applied to the user's options once: the objective a mode (or
+    # lockstep ranks, which size by memory) gives when left open, the example's size, the plan
+    decided: dict[str, Any] = {"objective": user.objective or ("memory" if sharded else _DEFAULT_OBJECTIVE[mode])}
+    if (most := _split_limit(batch, layout, user.max_batch_size)) is not None:
+        decided["max_batch_size"] = most
+    device = model_device(model, default=None) if device is None else device  # parameterless: the accelerator
+    dev = resolve_device(device)
+    targets = list(restore) if restore is not None else [model, optimizer, scaler]
+    seed = None
+    if plan_first:
+        seed = _plan_seed(model, batch, optimizer=optimizer, loss_fn=loss, mode=mode, amp=dtype, layout=layout,
+                          cfg=user, max_batch_size=decided.get("max_batch_size", user.max_batch_size), device=dev)
+        decided["first_guess"] = seed.batch_size
+    opts = FindOptions.build(user, **decided)
+    step = _step_for(model, make, mode=mode, optimizer=optimizer, loss=loss, dtype=dtype, scaler=scaler, device=dev,
+                     layout=layout, seq_dim=seq_dim)
+    plan = _run_as(model, mode, search or find_batch_size, step, device=device, restore=targets, options=opts)
+    return plan if seed is None else seed.seeded(plan)
+
+
+def _check_training(mode: str, optimizer: Any, loss_fn: Any) -> None:
     if mode == "train" and optimizer is None:
         raise ValueError("mode='train' needs an optimizer; use mode='eval' to size inference")
     if mode == "train" and loss_fn is None:
         raise ValueError("mode='train' needs loss_fn: loss_fn(model, batch) -> loss | (sum, count), or a criterion")
-    loss = as_loss_fn(loss_fn) if loss_fn is not None else None
-    layout = BatchLayout.of(shared, split_fn)
-    make = make_batch_fn(batch, layout)
-    if layout is not None and layout.split_fn is not None and not callable(batch):
-        most = batch_size_of(batch, layout)
-        if opts.max_batch_size is None or opts.max_batch_size > most:
-            logger.info("split_fn cuts the example batch: searching up to its %d samples", most)
-            opts = FindOptions.build(opts, max_batch_size=most)
-    if device is None:
-        device = model_device(model, default=None)  # a model without parameters: the current accelerator
-    dev = resolve_device(device)
-    targets = list(restore) if restore is not None else [model, optimizer, scaler]
-    step = _train_step(model, optimizer, loss, dtype, scaler, dev) if mode == "train" else None
-    seed = None
-    if plan_first:
-        if opts.first_guess is not None:
-            raise BatchSizeError("pass first_guess or plan_first=True, not both: the plan is a first guess")
-        seed = _plan_seed(model, batch, optimizer=optimizer, loss_fn=loss, mode=mode, amp=dtype,
-                          layout=layout, cfg=opts, device=dev)
-        opts = FindOptions.build(opts, first_guess=seed.batch_size)
 
+
+def _split_limit(batch: Any, layout: BatchLayout | None, max_batch_size: int | None) -> int | None:
+    """With ``split_fn`` cutting an example batch, its size when that is below ``max_batch_size``; else ``None``."""
+    if layout is None or layout.split_fn is None or callable(batch):
+        return None
+    most = batch_size_of(batch, layout)
+    if max_batch_size is not None and max_batch_size <= most:
+        return None
+    logger.info("split_fn cuts the example batch: searching up to its %d samples", most)
+    return most
+
+
+def _step_for(model: nn.Module, make: Callable[[int], Any], *, mode: str, optimizer: torch.optim.Optimizer | None,
+              loss: LossFn | None, dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None,
+              device: torch.device, layout: BatchLayout | None, seq_dim: int | None) -> Callable[[int], None]:
+    """The step the finder runs at a batch size: the batch made, moved, then trained on or evaluated."""
+    step = _train_step(model, optimizer, loss, dtype, scaler, device) if mode == "train" else None
     # dim 0 (and the tokens' dim) dynamic from the first compilation: one graph for every trial size
     dynamic = (lambda data: mark_batch_dynamic(data, layout, seq_dim=seq_dim)) if is_compiled(model) \
         else (lambda data: data)
 
     def train_step(b: int) -> None:
-        step(dynamic(to_device(make(b), dev)))
+        step(dynamic(to_device(make(b), device)))
 
     fwd = forward_only(loss)
 
     def eval_step(b: int) -> None:
-        data = dynamic(to_device(make(b), dev))
-        with torch.inference_mode(), autocast(dev.type, dtype):
+        data = dynamic(to_device(make(b), device))
+        with torch.inference_mode(), autocast(device.type, dtype):
             fwd(model, data)
 
-    run = find_batch_size if search is None else search
-    if mode == "eval":
-        flags = [(m, m.training) for m in model.modules()]
-        model.eval()
-        try:
-            plan = run(eval_step, device=device, restore=targets, options=opts)
-        finally:
-            for m, flag in flags:
-                m.training = flag
-    else:
-        plan = run(train_step, device=device, restore=targets, options=opts)
-    if seed is not None:
-        plan.plan_seconds = seed.seconds
-        plan.seconds += seed.seconds
-        plan.seeded_by = "plan" if seed.batch_size is not None else None
-    return plan
+    return train_step if mode == "train" else eval_step
+
+
+def _run_as(model: nn.Module, mode: str, search: Callable[..., BatchPlan], step: Callable[[int], None],
+            **kwargs: Any) -> BatchPlan:
+    """``search(step, **kwargs)``; for ``mode="eval"`` with the model in eval mode, each module's flag put back after."""
+    if mode != "eval":
+        return search(step, **kwargs)
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        return search(step, **kwargs)
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 #: ``() -> search`` for a model sharded over several ranks: the package root sets it to
@@ -212,6 +223,17 @@ def set_lockstep_search(provider: Callable[[], Callable[..., BatchPlan]]) -> Non
     """Where :func:`find_batch_size_for` gets its search for a ``fully_shard`` model over several ranks."""
     global _lockstep_search
     _lockstep_search = provider
+
+
+def _lockstep_search_or_fail() -> Callable[..., BatchPlan]:
+    """The search for a model sharded over several ranks: every rank runs the same trials (an OOM in one
+    rank's trial would leave the others waiting in a collective)."""
+    if _lockstep_search is None:
+        raise ValueError(
+            "the model is sharded with fully_shard over several ranks, whose trials must run in lockstep: "
+            "pass search=batchpilot.dist.fsdp.find_batch_size_fsdp"
+        )
+    return _lockstep_search()
 
 
 def _sharded_over_ranks(model: nn.Module) -> bool:
@@ -254,6 +276,13 @@ class _Seed:
 
     batch_size: int | None
     seconds: float
+
+    def seeded(self, plan: BatchPlan) -> BatchPlan:
+        """``plan`` with the planning pass counted: its seconds, and ``seeded_by`` when the plan gave a guess."""
+        plan.plan_seconds = self.seconds
+        plan.seconds += self.seconds
+        plan.seeded_by = "plan" if self.batch_size is not None else None
+        return plan
 
 
 def _pool_storage_bytes(batch: Any, device: torch.device) -> list[int]:
@@ -305,6 +334,7 @@ def _plan_seed(
     amp: torch.dtype | None,
     layout: BatchLayout | None,
     cfg: FindOptions,
+    max_batch_size: int | None,
     device: torch.device,
 ) -> _Seed:
     """One planning pass for the limit the finder will measure against.
@@ -322,6 +352,8 @@ def _plan_seed(
     from ..plan.result import PlanningError
     from ..plan.planner import plan_batch_size
 
+    if cfg.first_guess is not None:
+        raise BatchSizeError("pass first_guess or plan_first=True, not both: the plan is a first guess")
     started = time.perf_counter()
     emulated = cfg.capacity is not None and device.type in EMULATED_DEVICES
     gauge = gauge_for(device, emulated_capacity=cfg.capacity if emulated else emulated_capacity(device))
@@ -341,7 +373,7 @@ def _plan_seed(
             model, batch, capacity=limit - pool, target=1.0, optimizer=optimizer if mode == "train" else None,
             loss_fn=loss_fn, amp=amp, steps=cfg.steps_per_trial, mode=mode,
             device="cpu" if accounting is None else "cuda", accounting=accounting,
-            max_batch_size=cfg.max_batch_size or 1 << 20,
+            max_batch_size=max_batch_size or 1 << 20,
             shared=None if layout is None else layout.shared,
         )
     except PlanningError as exc:

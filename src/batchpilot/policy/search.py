@@ -46,6 +46,8 @@ __all__ = [
     "left_behind",
     "SearchResult",
     "run_search",
+    "doubtful",
+    "step_down",
 ]
 
 FIT = "fit"
@@ -1073,3 +1075,57 @@ def run_search(
     else:
         reason = "boundary"
     return SearchResult(batch_size=best, trials=trials, stop_reason=reason, space=space)
+
+
+# -- verification: an answer run again after the search, and where to go when it no longer fits
+
+#: verification runs before the finder stops stepping down by the line and halves instead
+_LINE_STEPS = 3
+
+
+def doubtful(answer: int, trials: list[Trial], space: SearchSpace, tolerance: float) -> bool:
+    """True when ``answer`` has not run since the last OOM, or ran within ``tolerance`` of the capacity.
+
+    Such an answer is run again after the search (what an OOM leaves behind on real memory, or a
+    peak that close to the capacity, can make it fail the next time).
+    """
+    last_run = max((i for i, t in enumerate(trials) if t.batch_size == answer and t.measured), default=-1)
+    last_oom = max((i for i, t in enumerate(trials) if t.outcome == OOM), default=-1)
+    if last_oom > last_run:
+        return True
+    if last_run < 0:
+        return True
+    t = trials[last_run]
+    room = space.capacity_bytes - (t.start_bytes or 0)
+    margin = max(1, int(tolerance * room), max((left_behind(x) for x in trials), default=0))
+    return t.peak_bytes >= space.capacity_bytes - margin
+
+
+def step_down(b: int, trials: list[Trial], space: SearchSpace, tolerance: float, floor: int,
+              tried: set[int], attempts: int) -> int | None:
+    """The next size to run below ``b``, which no longer fits: by the bytes per sample near it.
+
+    The last run of ``b`` shows what it needs now (its peak, or more than the capacity after an
+    OOM); the search's trials give the bytes one sample adds there. The step lands ``b``'s need
+    a tolerance under the limit. After ``_LINE_STEPS`` failed steps the size halves instead.
+    """
+    if b <= floor:
+        return None
+    last = [t for t in trials if t.batch_size == b][-1]
+    room = space.capacity_bytes - (last.start_bytes or 0)
+    margin = max(tolerance * room, max((left_behind(t) for t in trials), default=0))
+    # an OOM needed more than the capacity, and what it left behind is no longer free either
+    need = last.peak_bytes if last.measured else max(space.capacity_bytes, last.peak_bytes or 0) + left_behind(last)
+    searched = [t for t in trials if t.measured and t.batch_size != b]
+    line = fit_line(searched, space.limit_bytes)
+    guess = b - max(1, int(b * max(tolerance, 0.01)))
+    if attempts <= _LINE_STEPS and line is not None and line[1] > 0:
+        excess = need - (space.limit_bytes - margin / 2)
+        guess = min(guess, b - max(1, math.ceil(excess / line[1])))
+    elif attempts > _LINE_STEPS:
+        guess = min(guess, b // 2)
+    guess = max(floor, guess)
+    while guess in tried and guess > floor:
+        guess -= 1
+    return None if guess in tried else guess
+
