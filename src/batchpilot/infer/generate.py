@@ -483,38 +483,11 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
     if dev != model_device(model):
         raise ValueError(f"the model is on {model_device(model)}, not {dev}: move it (model.to({str(dev)!r})) or "
                          "leave device= out")
-    kwargs = dict(generate_kwargs)
-    kwargs.setdefault("do_sample", False)
-    kwargs["pad_token_id"] = pad
-    if eos_token_id is not None:
-        kwargs["eos_token_id"] = list(eos)
-    other_stops = any(kwargs.get(name) for name in _OTHER_STOPS)
-    beams = kwargs.get("num_beams", getattr(getattr(model, "generation_config", None), "num_beams", 1))
-    # greedy decoding: the sizing trials run the real prompts, longest first, and their outputs are kept
-    greedy = (not kwargs["do_sample"] and beams in (None, 1) and not other_stops
-              and not any(kwargs.get(name) is not None for name in _NOT_GREEDY))
-    lengths = [len(p) for p in rows]
+    kwargs, other_stops, greedy = _decoding(model, generate_kwargs, pad=pad, eos=eos, eos_token_id=eos_token_id)
     longest_new = max(news)
     with memory_room(model, device=dev, capacity=capacity, target=target) as room:
-        sizer: _ModelSizer | _TrialSizer
-        if memory is None:
-            try:
-                memory = fit_in(model, room, prompt_lengths=lengths, max_new_tokens=longest_new, pad_token_id=pad,
-                                eos=eos, max_batch_size=len(rows), generate_kwargs=generate_kwargs,
-                                prompts=dict(enumerate(rows)) if greedy and group_size == 1 else None)
-                out.trials = list(memory.trials)
-                sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
-            except GenerationFitError as exc:
-                logger.warning("%s; sizing each batch by the largest batch a trial ran at a shape at least as long", exc)
-                out.trials = list(exc.trials)
-                sizer, out.sized_by = _TrialSizer(out.trials, longest_new, len(rows)), "trials"
-                memory = None
-        else:
-            memory.max_batch(max(lengths), longest_new)  # raises now if it was fitted on shorter shapes
-            # corrected by this run's OOMs and peaks, not the caller's own: .memory holds the corrected one
-            memory = dataclasses.replace(memory, verified=dict(memory.verified), trials=list(memory.trials))
-            sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
-        out.memory = memory
+        sizer = _sizer(model, rows, room, out, memory, longest_new=longest_new, pad=pad, eos=eos,
+                       generate_kwargs=generate_kwargs, keep_outputs=greedy and group_size == 1)
         if agree is not None:
             reached[0] = True
             peers = exchange(agree, _Peer.of(memory, out.trials), what="generation sizing")
@@ -532,3 +505,46 @@ def _generate(model: Any, prompts: Any, out: Generations, began: float, reached:
     logger.info("%d prompts in %d batches (%d OOM), sized in %.2fs by %s from %d trials; %.2fs in all",
                 len(rows), len(out.batches), out.ooms, out.sizing_seconds, out.sized_by, len(out.trials), out.seconds)
     return out
+
+
+def _decoding(model: Any, generate_kwargs: dict[str, Any], *, pad: int, eos: Any,
+              eos_token_id: Any) -> tuple[dict[str, Any], bool, bool]:
+    """``generate``'s keywords as every batch runs them; whether other stopping criteria apply; whether it is greedy."""
+    kwargs = dict(generate_kwargs)
+    kwargs.setdefault("do_sample", False)
+    kwargs["pad_token_id"] = pad
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = list(eos)
+    other_stops = any(kwargs.get(name) for name in _OTHER_STOPS)
+    beams = kwargs.get("num_beams", getattr(getattr(model, "generation_config", None), "num_beams", 1))
+    # greedy decoding: the sizing trials run the real prompts, longest first, and their outputs are kept
+    greedy = (not kwargs["do_sample"] and beams in (None, 1) and not other_stops
+              and not any(kwargs.get(name) is not None for name in _NOT_GREEDY))
+    return kwargs, other_stops, greedy
+
+
+def _sizer(model: Any, rows: list[list[int]], room: Any, out: Generations, memory: GenerationMemory | None, *,
+           longest_new: int, pad: int, eos: Any, generate_kwargs: dict[str, Any],
+           keep_outputs: bool) -> _ModelSizer | _TrialSizer:
+    """What sizes each batch: the memory model (fitted now, or the caller's), else the trials; ``out`` records which."""
+    lengths = [len(p) for p in rows]
+    sizer: _ModelSizer | _TrialSizer
+    if memory is None:
+        try:
+            memory = fit_in(model, room, prompt_lengths=lengths, max_new_tokens=longest_new, pad_token_id=pad,
+                            eos=eos, max_batch_size=len(rows), generate_kwargs=generate_kwargs,
+                            prompts=dict(enumerate(rows)) if keep_outputs else None)
+            out.trials = list(memory.trials)
+            sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
+        except GenerationFitError as exc:
+            logger.warning("%s; sizing each batch by the largest batch a trial ran at a shape at least as long", exc)
+            out.trials = list(exc.trials)
+            sizer, out.sized_by = _TrialSizer(out.trials, longest_new, len(rows)), "trials"
+            memory = None
+    else:
+        memory.max_batch(max(lengths), longest_new)  # raises now if it was fitted on shorter shapes
+        # corrected by this run's OOMs and peaks, not the caller's own: .memory holds the corrected one
+        memory = dataclasses.replace(memory, verified=dict(memory.verified), trials=list(memory.trials))
+        sizer, out.sized_by = _ModelSizer(memory, room, longest_new, len(rows)), "model"
+    out.memory = memory
+    return sizer

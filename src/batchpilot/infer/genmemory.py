@@ -702,17 +702,7 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
     ``prompt_length``, and keeps their outputs (greedy decoding only: the EOS held back is put back
     where greedy picked it); made-up rows fill the batch to ``batch_size``.
     """
-    kwargs = dict(generate_kwargs or {})
-    kwargs.setdefault("do_sample", False)
-    kwargs["pad_token_id"] = pad_token_id
-    if eos:
-        kwargs["eos_token_id"] = list(eos)
-    windows = _Windows(room)
-    kwargs["stopping_criteria"] = _hf_list("stopping_criteria", [*(kwargs.get("stopping_criteria") or ()), windows])
-    keep_going = _KeepGoing(eos)
-    if eos:
-        kwargs["logits_processor"] = _hf_list("logits_processor",
-                                              [*(kwargs.get("logits_processor") or ()), keep_going])
+    kwargs, windows, keep_going = _trial_kwargs(room, generate_kwargs, pad_token_id, eos)
     dev = room.device
     real = dict(prompts or {})
     if len(real) > batch_size:
@@ -721,25 +711,7 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
     room.meter.reset()
     start_gauge, start_tensors = int(room.gauge.current()), int(room.meter.current())
     began = time.perf_counter()
-    # the prompts count: a real batch's ids and mask live through its generate too
-    if real:
-        ids = torch.full((batch_size, prompt_length), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        ids[len(real):, 1:] = token_id  # made-up rows, each padded by a token
-        mask[len(real):, 1:] = 1
-        for row, p in enumerate(real.values()):
-            if len(p) >= prompt_length:
-                raise ValueError(f"a trial's real prompt has {len(p)} tokens: it must be shorter than the trial's "
-                                 f"{prompt_length}, so that its row is padded as a real batch's")
-            ids[row, prompt_length - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-            mask[row, prompt_length - len(p):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-    else:
-        ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=dev)
-        mask = torch.ones_like(ids)
-        if prompt_length > 1:  # a padded batch takes the masked path real batches take
-            ids[0, 0] = pad_token_id
-            mask[0, 0] = 0
+    ids, mask = _trial_inputs(batch_size, prompt_length, pad_token_id, token_id, real, dev)
     outcome = attempt(_generate, model, ids, mask, max_new_tokens, kwargs, device=dev)
     seconds = time.perf_counter() - began
     last_gauge, last_tensors = int(room.gauge.peak()), int(room.meter.peak())
@@ -758,15 +730,7 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
     T_last, y_last = steps[-1]
     steps[-1] = (T_last, max(y_last, last_tensors - start_tensors))
     fits = start_gauge + peak <= room.limit_bytes
-    outputs: tuple[list[int], ...] = ()
-    if real:
-        out = outcome.result
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        rows = sequences[:len(real), prompt_length:].tolist()
-        for row, (step, tok) in keep_going.ended.items():
-            if row < len(rows):
-                rows[row] = rows[row][:step] + [tok]
-        outputs = tuple(rows)
+    outputs = _trial_outputs(outcome.result, len(real), prompt_length, keep_going) if real else ()
     trial = GenerationTrial(batch_size=batch_size, prompt_length=prompt_length, max_new_tokens=max_new_tokens,
                             outcome=FIT if fits else OVER_TARGET, prefill_bytes=steps[0][1],
                             decode_bytes=tuple(steps[1:]), tensor_peak_bytes=max(y for _, y in steps),
@@ -775,6 +739,57 @@ def measure_generate(model: Any, room: MemoryRoom, *, batch_size: int, prompt_le
     logger.info("trial %d x (%d + %d): %s (%s of tensors), %s", batch_size, prompt_length, max_new_tokens,
                 format_bytes(peak), format_bytes(trial.tensor_peak_bytes), trial.outcome)
     return trial
+
+
+def _trial_kwargs(room: MemoryRoom, generate_kwargs: Mapping[str, Any] | None, pad_token_id: int,
+                  eos: Sequence[int]) -> tuple[dict[str, Any], _Windows, _KeepGoing]:
+    """A trial's ``generate`` keywords: greedy unless asked, its step windows measured, no row stopped at an EOS."""
+    kwargs = dict(generate_kwargs or {})
+    kwargs.setdefault("do_sample", False)
+    kwargs["pad_token_id"] = pad_token_id
+    if eos:
+        kwargs["eos_token_id"] = list(eos)
+    windows = _Windows(room)
+    kwargs["stopping_criteria"] = _hf_list("stopping_criteria", [*(kwargs.get("stopping_criteria") or ()), windows])
+    keep_going = _KeepGoing(eos)
+    if eos:
+        kwargs["logits_processor"] = _hf_list("logits_processor",
+                                              [*(kwargs.get("logits_processor") or ()), keep_going])
+    return kwargs, windows, keep_going
+
+
+def _trial_inputs(batch_size: int, prompt_length: int, pad_token_id: int, token_id: int,
+                  real: Mapping[int, Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trial's ids and attention mask: the real prompts left-padded in the first rows, made-up rows after."""
+    # the prompts count: a real batch's ids and mask live through its generate too
+    if real:
+        ids = torch.full((batch_size, prompt_length), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        ids[len(real):, 1:] = token_id  # made-up rows, each padded by a token
+        mask[len(real):, 1:] = 1
+        for row, p in enumerate(real.values()):
+            if len(p) >= prompt_length:
+                raise ValueError(f"a trial's real prompt has {len(p)} tokens: it must be shorter than the trial's "
+                                 f"{prompt_length}, so that its row is padded as a real batch's")
+            ids[row, prompt_length - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[row, prompt_length - len(p):] = 1
+        return ids.to(device), mask.to(device)
+    ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    if prompt_length > 1:  # a padded batch takes the masked path real batches take
+        ids[0, 0] = pad_token_id
+        mask[0, 0] = 0
+    return ids, mask
+
+
+def _trial_outputs(result: Any, count: int, prompt_length: int, keep_going: _KeepGoing) -> tuple[list[int], ...]:
+    """The new tokens of the first ``count`` rows (the real prompts), each cut after the EOS held back."""
+    sequences = result if isinstance(result, torch.Tensor) else result.sequences
+    rows = sequences[:count, prompt_length:].tolist()
+    for row, (step, tok) in keep_going.ended.items():
+        if row < len(rows):
+            rows[row] = rows[row][:step] + [tok]
+    return tuple(rows)
 
 
 def choose_prompt_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
@@ -821,82 +836,116 @@ def fit_in(model: Any, room: MemoryRoom, *, prompt_lengths: Sequence[int], max_n
     N = positive_int("max_new_tokens", max_new_tokens)
     cap = None if max_batch_size is None else positive_int("max_batch_size", max_batch_size)
     token = _trial_token(model, pad_token_id, eos) if token_id is None else check_token_id("token_id", token_id)
-    trials: list[GenerationTrial] = []
-    pending = sorted(prompts or {}, key=lambda i: -len(prompts[i]))  # type: ignore[index]
-    # real prompts: fit at the lengths batches start at (each the longest of a band a batch may pad together)
-    heads = band_heads([len(prompts[i]) for i in pending], N, max_padding) if pending else prompt_lengths  # type: ignore[index]
-    lengths = sorted(choose_prompt_lengths(heads), reverse=True)  # the longest first: fails fastest
+    fit = _Fit(model, room, new_tokens=N, cap=cap, token=token, pad_token_id=pad_token_id, eos=eos,
+               generate_kwargs=generate_kwargs, prompts=prompts, max_padding=max_padding)
+    lengths = fit.lengths(prompt_lengths)  # the longest first: fails fastest
     context = context_length(model)
+    fit.announce()
+    with room.measuring(model):
+        for k, P in enumerate(lengths):
+            fit.at_length(P, real=bool(fit.pending) and (context is None or P + 1 + N <= context), first=k == 0)
+    memory = fit.fitted()
+    logger.info("generation memory from %d trials: %.0f B per token of cache, %.0f B per step, scale %.3f",
+                len(fit.trials), memory.per_token_bytes, memory.per_step_bytes, memory.scale)
+    fit.progress.note(f"  fitted from {len(fit.trials)} trials in {fit.progress.elapsed():.1f}s")
+    return memory
 
-    def take(b: int, width: int) -> dict[int, Sequence[int]]:
-        low = band_low(width, N, max_padding)
-        picked = [i for i in pending if low <= len(prompts[i]) < width][:b]  # type: ignore[index]
-        return {i: prompts[i] for i in picked}  # type: ignore[index]
 
-    shown = Progress(f"sizing generate on {room.device}", logger=logger)
-    share = (f"{format_bytes(room.start_bytes)} in use + {room.target:.0%} of the rest" if room.gauge.host else
-             f"{room.target:.0%} of {format_bytes(room.capacity_bytes)}")
-    shown.note(f"  {room.gauge.kind} memory, limit {format_bytes(room.limit_bytes)} ({share}), {N} new tokens")
+class _Fit:
+    """One fit of :func:`fit_in`: its trials so far, the real prompts not yet run, and the progress it shows."""
 
-    def run(b: int, P: int, real: bool = False, fill: bool = False) -> GenerationTrial:
-        chosen = take(b, P) if real else {}
+    def __init__(self, model: Any, room: MemoryRoom, *, new_tokens: int, cap: int | None, token: int,
+                 pad_token_id: int, eos: Sequence[int], generate_kwargs: Mapping[str, Any] | None,
+                 prompts: Mapping[int, Sequence[int]] | None, max_padding: float) -> None:
+        self.model, self.room, self.N, self.cap, self.token = model, room, new_tokens, cap, token
+        self.pad_token_id, self.eos, self.generate_kwargs = pad_token_id, eos, generate_kwargs
+        self.prompts, self.max_padding = prompts or {}, max_padding
+        self.trials: list[GenerationTrial] = []
+        self.pending = sorted(self.prompts, key=lambda i: -len(self.prompts[i]))
+        self.progress: Progress | None = None
+
+    def lengths(self, prompt_lengths: Sequence[int]) -> list[int]:
+        """The prompt lengths to fit at, the longest first."""
+        # real prompts: fit at the lengths batches start at (each the longest of a band a batch may pad together)
+        heads = band_heads([len(self.prompts[i]) for i in self.pending], self.N, self.max_padding) \
+            if self.pending else prompt_lengths
+        return sorted(choose_prompt_lengths(heads), reverse=True)
+
+    def announce(self) -> None:
+        room = self.room
+        self.progress = Progress(f"sizing generate on {room.device}", logger=logger)
+        share = (f"{format_bytes(room.start_bytes)} in use + {room.target:.0%} of the rest" if room.gauge.host else
+                 f"{room.target:.0%} of {format_bytes(room.capacity_bytes)}")
+        self.progress.note(f"  {room.gauge.kind} memory, limit {format_bytes(room.limit_bytes)} ({share}), "
+                           f"{self.N} new tokens")
+
+    def take(self, b: int, width: int) -> dict[int, Sequence[int]]:
+        """Up to ``b`` of the longest real prompts left that a batch padded to ``width`` takes."""
+        low = band_low(width, self.N, self.max_padding)
+        picked = [i for i in self.pending if low <= len(self.prompts[i]) < width][:b]
+        return {i: self.prompts[i] for i in picked}
+
+    def trial(self, b: int, P: int, real: bool = False, fill: bool = False) -> GenerationTrial:
+        """A trial of ``b`` prompts padded to ``P`` (real ones where ``real``; made-up rows fill it where ``fill``)."""
+        N, room, shown = self.N, self.room, self.progress
+        chosen = self.take(b, P) if real else {}
         if chosen and not fill:
             b = len(chosen)
         shown.start(f"batch {b} x ({P} + {N} tokens)")
-        t = measure_generate(model, room, batch_size=b, prompt_length=P, max_new_tokens=N, pad_token_id=pad_token_id,
-                             token_id=token, eos=eos, generate_kwargs=generate_kwargs, prompts=chosen or None)
+        t = measure_generate(self.model, room, batch_size=b, prompt_length=P, max_new_tokens=N,
+                             pad_token_id=self.pad_token_id, token_id=self.token, eos=self.eos,
+                             generate_kwargs=self.generate_kwargs, prompts=chosen or None)
         grown = "?" if t.peak_bytes is None else format_bytes(t.start_bytes + t.peak_bytes)
         shown.done(f"batch {b} x ({P} + {N} tokens): "
                    + ("out of memory" if t.outcome == OOM else
                       f"{'fits' if t.outcome == FIT else 'over the limit'}, peak {grown} of "
                       f"{format_bytes(room.limit_bytes)}") + f", {t.seconds:.1f}s")
-        trials.append(t)
+        self.trials.append(t)
         if t.outcome != OOM:
             for i in t.prompts:
-                pending.remove(i)
+                self.pending.remove(i)
         return t
 
-    def fitted() -> GenerationMemory:
-        return GenerationMemory.from_trials(trials, limit_bytes=room.limit_bytes, start_bytes=room.start_bytes,
+    def fitted(self) -> GenerationMemory:
+        room = self.room
+        return GenerationMemory.from_trials(self.trials, limit_bytes=room.limit_bytes, start_bytes=room.start_bytes,
                                             capacity_bytes=room.capacity_bytes, memory=room.gauge.kind)
 
-    with room.measuring(model):
-        for k, P in enumerate(lengths):
-            real = bool(pending) and (context is None or P + 1 + N <= context)
-            W = P + 1 if real else P
-            if real and k > 0:
-                so_far = fitted()
-                b1 = max(1, so_far.max_batch(W, N, max_batch_size=cap))
-                if so_far.growth(len(take(b1, W)), W, N) < _SCALE_SHARE * room.room_bytes:
-                    # too few prompts left here for a figure to tell (or none): the longer lengths' model sizes them
-                    continue
-                first = run(b1, W, real)
-            else:
-                first = run(1, W, real)
-                if first.outcome != FIT:  # named by the prompt's own length, not the trial's padded one
-                    raise _nothing_fits(first, room, length=P)
-                if cap == 1:
-                    continue
-                if room.exact:
-                    b2 = 2
-                else:
-                    # by the larger of the two figures: a caching allocator may reserve nothing new for one prompt
-                    grew = max(1, first.peak_bytes or 0, first.tensor_peak_bytes or 0)
-                    b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / grew))
-                    left = len(take(len(pending), W)) if real else 0
-                    if b2 < left <= _BAND_SHARE * room.room_bytes / grew:
-                        b2 = left
-                b2 = b2 if cap is None else min(b2, cap)
-                run(b2, W, real, fill=True)  # the line over batch sizes needs this size: made-up rows fill it
-            answer = fitted().max_batch(W, N, max_batch_size=cap)
-            if answer >= 1 and all(t.batch_size != answer for t in trials if t.prompt_length == W):
-                if not real or take(answer, W):  # real prompts left at this length, or made-up ones
-                    run(answer, W, real)
-    memory = fitted()
-    logger.info("generation memory from %d trials: %.0f B per token of cache, %.0f B per step, scale %.3f",
-                len(trials), memory.per_token_bytes, memory.per_step_bytes, memory.scale)
-    shown.note(f"  fitted from {len(trials)} trials in {shown.elapsed():.1f}s")
-    return memory
+    def at_length(self, P: int, *, real: bool, first: bool) -> None:
+        """The trials at prompt length ``P``: at most three (see :func:`fit_in`)."""
+        N, cap = self.N, self.cap
+        W = P + 1 if real else P
+        if real and not first:
+            so_far = self.fitted()
+            b1 = max(1, so_far.max_batch(W, N, max_batch_size=cap))
+            if so_far.growth(len(self.take(b1, W)), W, N) < _SCALE_SHARE * self.room.room_bytes:
+                return  # too few prompts left here for a figure to tell (or none): the longer lengths' model sizes them
+            self.trial(b1, W, real)
+        else:
+            one = self.trial(1, W, real)
+            if one.outcome != FIT:  # named by the prompt's own length, not the trial's padded one
+                raise _nothing_fits(one, self.room, length=P)
+            if cap == 1:
+                return
+            self.trial(self._second_size(one, W, real), W, real, fill=True)  # the line needs it: made-up rows fill it
+        answer = self.fitted().max_batch(W, N, max_batch_size=cap)
+        if answer >= 1 and all(t.batch_size != answer for t in self.trials if t.prompt_length == W):
+            if not real or self.take(answer, W):  # real prompts left at this length, or made-up ones
+                self.trial(answer, W, real)
+
+    def _second_size(self, one: GenerationTrial, W: int, real: bool) -> int:
+        """The first length's second trial: 2 on exact bytes, else at a share of the room by the first's growth."""
+        room = self.room
+        if room.exact:
+            b2 = 2
+        else:
+            # by the larger of the two figures: a caching allocator may reserve nothing new for one prompt
+            grew = max(1, one.peak_bytes or 0, one.tensor_peak_bytes or 0)
+            b2 = max(2, math.floor(_SECOND_SHARE * room.room_bytes / grew))
+            left = len(self.take(len(self.pending), W)) if real else 0
+            if b2 < left <= _BAND_SHARE * room.room_bytes / grew:
+                b2 = left
+        return b2 if self.cap is None else min(b2, self.cap)
 
 
 def band_low(length: int, max_new_tokens: int, max_padding: float = MAX_PADDING) -> float:

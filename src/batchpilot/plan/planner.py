@@ -12,7 +12,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
@@ -38,7 +37,17 @@ from ..core.compiled import eager_while_tracked
 from ..core.loss import as_loss_fn, forward_only, parse_loss
 from ..memory.tracker import StorageLedger, tensor_leaves, tensor_storages, watch_storage_resizes, wraps_subclass
 from ..memory.units import format_bytes, parse_bytes
-from ..policy.search import DEFAULT_TARGET, NothingFitsError, check_target
+from ..policy.search import (
+    DEFAULT_TARGET,
+    FIT,
+    OVER_TARGET,
+    NothingFitsError,
+    SearchSpace,
+    SecantPolicy,
+    Trial,
+    check_target,
+    run_search,
+)
 from ..policy.shares import check_speeds, rank_shares
 from .gpus import CachingAllocatorModel, CudaAccounting, gpu_spec
 from .result import ClusterPlanResult, MemoryEstimate, PlanningError, PlanResult, RankPlan
@@ -630,77 +639,32 @@ def _sharded(cfg: _Config, shard_fn: Callable[[nn.Module, Any], Any] | None) -> 
 # Planning
 
 
+#: evaluations a boundary search may take: far more than it needs (about two per doubling of the batch)
+_MAX_EVALUATIONS = 1000
+
+
 def _search_boundary(
     cost: Callable[[int], int], limit: int, max_batch_size: int, probe: int = 1024
 ) -> tuple[int, dict[int, int]]:
     """Largest ``b <= max_batch_size`` with ``cost(b) <= limit`` and ``cost(b + 1) > limit``.
 
-    Assumes ``cost`` grows with ``b``. Evaluates ``cost(1)`` and
-    ``cost(probe)``, jumps to where their line meets ``limit``, corrects the
-    jump with up to three more secant steps (the slope at small batches is
-    often off: another phase of the step peaks there), then narrows the
-    bracket by interpolation, checking each landing point's neighbour, with
-    a bisection step whenever a round fails to halve it. A cost linear in the
-    batch takes four evaluations; the steps the CUDA allocator model adds
-    cost a few more.
+    Assumes ``cost`` grows with ``b``. The search is the finder's loop
+    (:func:`~batchpilot.policy.search.run_search`) with the policy for cheap, exact costs,
+    :class:`~batchpilot.policy.search.SecantPolicy`: each fake run is a trial whose peak is its cost.
 
     Returns:
         ``(b, {batch size: cost})``; ``b`` is 0 when ``cost(1) > limit``.
     """
-    seen: dict[int, int] = {}
+    policy = SecantPolicy(probe=probe)
+    bound = max(1, limit)  # a space's limit is positive; what fits is judged against ``limit`` itself
+    space = SearchSpace(limit_bytes=bound, capacity_bytes=bound, max_batch_size=max_batch_size)
 
-    def f(b: int) -> int:
-        if b not in seen:
-            seen[b] = cost(b)
-        return seen[b]
+    def trial(b: int) -> Trial:
+        c = cost(b)
+        return Trial(batch_size=b, outcome=FIT if c <= limit else OVER_TARGET, peak_bytes=c)
 
-    if f(1) > limit:
-        return 0, seen
-    if max_batch_size == 1:
-        return 1, seen
-    lo, hi = 1, max_batch_size + 1  # invariant: lo fits; hi does not (or lies past the maximum)
-
-    def update(b: int) -> bool:
-        nonlocal lo, hi
-        fits = f(b) <= limit
-        if fits:
-            lo = max(lo, b)
-        else:
-            hi = min(hi, b)
-        return fits
-
-    anchor = min(max_batch_size, max(2, probe))
-    update(anchor)
-    line = (1, anchor)
-    for _ in range(4):  # secant steps: exact on a line, quick on a convex curve
-        if hi - lo <= 1:
-            break
-        a, b = line
-        slope = (seen[b] - seen[a]) / (b - a)
-        guess = max_batch_size if slope <= 0 else a + math.floor((limit - seen[a]) / slope)
-        guess = min(max(guess, lo + 1), hi - 1)
-        if guess in seen:
-            break
-        update(guess)
-        line = (b, guess)
-    stalled = False
-    while hi - lo > 1:  # regula falsi inside the bracket, bisection when it stalls
-        width = hi - lo
-        interpolate = hi <= max_batch_size and not stalled
-        if hi > max_batch_size:  # nothing has failed yet: double
-            guess = 2 * lo
-        elif stalled:
-            guess = (lo + hi) // 2
-        else:
-            guess = lo + (limit - seen[lo]) * (hi - lo) // max(seen[hi] - seen[lo], 1)
-        guess = min(max(guess, lo + 1), hi - 1)
-        fits = update(guess)
-        if interpolate:  # an interpolated boundary is usually exact: check its other side
-            neighbour = guess + 1 if fits else guess - 1
-            if lo < neighbour < hi:
-                update(neighbour)
-        stalled = interpolate and (hi - lo) * 2 > width
-    return lo, seen
+    result = run_search(policy, space, trial, max_trials=_MAX_EVALUATIONS)
+    return policy.boundary(result.trials, space), {t.batch_size: t.peak_bytes for t in result.trials}
 
 
 def _resolve_capacity(capacity: int | float | str, device: str | None) -> tuple[int, str, str | None]:

@@ -13,7 +13,7 @@ import numbers
 from abc import ABC, abstractmethod
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterable, Literal, Mapping, Sequence
 
 from .._checks import positive_int
 
@@ -35,6 +35,7 @@ __all__ = [
     "PowerPolicy",
     "BinsearchPolicy",
     "DecayPolicy",
+    "SecantPolicy",
     "STRATEGIES",
     "make_policy",
     "decay_batch_step",
@@ -950,6 +951,108 @@ def _slow_progress(trials: Sequence[Trial], count: int) -> bool:
         if 2 * (hi1 - f1) <= hi0 - f0 or (f0 > 0 and f1 >= 2 * f0):
             return False
     return True
+
+
+@dataclass(kw_only=True)
+class SecantPolicy(SearchPolicy):
+    """The exact boundary of a cost that grows with the batch, in few evaluations: the planner's search.
+
+    Evaluates ``cost(1)`` and ``cost(probe)``, jumps to where their line meets the limit, corrects
+    the jump with up to three more secant steps (the slope at small batches is often off: another
+    phase of the step peaks there), then narrows the bracket by interpolation, checking each
+    landing point's neighbour, with a bisection step whenever a round fails to halve it. A cost
+    linear in the batch takes four evaluations; the steps a CUDA allocator model adds cost a few
+    more. Meant for cheap, noiseless costs (fake-tensor runs): it trusts every figure, and it
+    needs ``space.max_batch_size``.
+
+    Stateless like every policy: :meth:`next_size` replays the search over the trials so far
+    (each trial's ``peak_bytes`` is the cost, its outcome whether it fits), and
+    :meth:`boundary` reads the answer off them the same way.
+    """
+
+    name: ClassVar[str] = "secant"
+    exact: ClassVar[bool] = True
+    probe: int = 1024
+
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        return self._replay(trials, space)[0]
+
+    def boundary(self, trials: Sequence[Trial], space: SearchSpace) -> int:
+        """The largest size known to fit below the smallest known not to (0 when 1 does not fit)."""
+        return self._replay(trials, space)[1]
+
+    def _replay(self, trials: Sequence[Trial], space: SearchSpace) -> tuple[int | None, int]:
+        """``(next size or None, the boundary so far)``: the search run again over ``trials``' figures."""
+        if space.max_batch_size is None:
+            raise BatchSizeError("the secant search needs a max_batch_size")
+        known = {t.batch_size: t for t in trials}
+        state = _Bracket()
+        sizes = self._sizes(state, space.limit_bytes, space.max_batch_size)
+        try:
+            b = next(sizes)
+            while b in known:
+                b = sizes.send(known[b])
+        except StopIteration:
+            return None, state.lo
+        return b, state.lo
+
+    def _sizes(self, state: _Bracket, limit: int, most: int) -> Generator[int, Trial, None]:
+        """The search as a generator: yields a size, is sent its trial; ``state.lo`` is the answer so far."""
+        cost: dict[int, int] = {}
+
+        def fits(b: int, t: Trial) -> bool:
+            cost[b] = t.peak_bytes
+            if t.fits:
+                state.lo = max(state.lo, b)
+            else:
+                state.hi = min(state.hi, b)
+            return t.fits
+
+        state.lo, state.hi = 0, most + 1
+        if not fits(1, (yield 1)):
+            return
+        state.lo = 1  # invariant: lo fits; hi does not (or lies past the maximum)
+        if most == 1:
+            return
+        anchor = min(most, max(2, self.probe))
+        fits(anchor, (yield anchor))
+        line = (1, anchor)
+        for _ in range(4):  # secant steps: exact on a line, quick on a convex curve
+            if state.hi - state.lo <= 1:
+                break
+            a, b = line
+            slope = (cost[b] - cost[a]) / (b - a)
+            guess = most if slope <= 0 else a + math.floor((limit - cost[a]) / slope)
+            guess = min(max(guess, state.lo + 1), state.hi - 1)
+            if guess in cost:
+                break
+            fits(guess, (yield guess))
+            line = (b, guess)
+        stalled = False
+        while state.hi - state.lo > 1:  # regula falsi inside the bracket, bisection when it stalls
+            lo, hi = state.lo, state.hi
+            interpolate = hi <= most and not stalled
+            if hi > most:  # nothing has failed yet: double
+                guess = 2 * lo
+            elif stalled:
+                guess = (lo + hi) // 2
+            else:
+                guess = lo + (limit - cost[lo]) * (hi - lo) // max(cost[hi] - cost[lo], 1)
+            guess = min(max(guess, lo + 1), hi - 1)
+            ok = fits(guess, (yield guess))
+            if interpolate:  # an interpolated boundary is usually exact: check its other side
+                neighbour = guess + 1 if ok else guess - 1
+                if state.lo < neighbour < state.hi:
+                    fits(neighbour, (yield neighbour))
+            stalled = interpolate and (state.hi - state.lo) * 2 > hi - lo
+
+
+@dataclass
+class _Bracket:
+    """:class:`SecantPolicy`'s bracket while it replays: ``lo`` fits, ``hi`` does not (or lies past the maximum)."""
+
+    lo: int = 0
+    hi: int = 0
 
 
 STRATEGIES: dict[str, type[SearchPolicy]] = {
