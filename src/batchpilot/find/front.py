@@ -202,7 +202,7 @@ def _step_for(model: nn.Module, make: Callable[[int], Any], *, mode: str, optimi
 
 def _run_as(model: nn.Module, mode: str, search: Callable[..., BatchPlan], step: Callable[[int], None],
             **kwargs: Any) -> BatchPlan:
-    """``search(step, **kwargs)``; for ``mode="eval"`` with the model in eval mode, each module's flag put back after."""
+    """``search(step, **kwargs)``; for ``mode="eval"`` in eval mode, each module's flag put back after."""
     if mode != "eval":
         return search(step, **kwargs)
     flags = [(m, m.training) for m in model.modules()]

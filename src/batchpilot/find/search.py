@@ -217,7 +217,7 @@ class Search:
             reason="the largest that ran again after the search's last OOM" if checked.batch_size is not None else "")
 
     def search(self) -> SearchResult:
-        """:func:`run_search` with the policy, started over (within ``max_trials`` in all) when a trial changes the program."""
+        """:func:`run_search` with the policy; started over (``max_trials`` in all) when a trial changes the program."""
         earlier: list[Trial] = []
         while True:
             try:
