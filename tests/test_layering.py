@@ -181,3 +181,53 @@ def test_the_pure_policies_never_import_torch(module):
     out = modules_loaded_alone(module)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "[]", f"{module} imported {out.stdout.split()[0]}"
+
+
+# ---------------------------------------------------------------------------
+# Function lengths: the finder, the engine and inference read one function at a time
+
+#: the places held to :data:`MAX_LINES` (a subpackage, or one module), relative to the package
+SHORT_FUNCTIONS = ("find", "infer", "train/engine.py")
+#: lines of a function there, its docstring aside (comments and blank lines count)
+MAX_LINES = 60
+#: ``find_batch_size``: resolve the options, run a ``Search``, return its plan
+MAX_FINDER_LINES = 40
+
+
+def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from ``def`` to the function's last line (decorators aside), less its docstring's."""
+    count = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        count -= first.end_lineno - first.lineno + 1
+    return count
+
+
+def _function_lengths(rel: str) -> dict[str, int]:
+    """``{"path:line name": lines}`` for every function (methods and nested ones too) under ``rel``."""
+    root = PACKAGE_DIR / rel
+    paths = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+    out = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[f"{path.relative_to(PACKAGE_DIR).as_posix()}:{node.lineno} {node.name}"] = code_lines(node)
+    return out
+
+
+def test_code_lines_leave_out_the_docstring_and_count_the_rest():
+    tree = ast.parse('def f(x):\n    """One line.\n\n    More.\n    """\n    # why\n\n    return x\n')
+    assert code_lines(tree.body[0]) == 4  # def, the comment, the blank line, return
+    assert code_lines(ast.parse("def g():\n    return 1\n").body[0]) == 2
+
+
+def test_find_batch_size_resolves_options_and_runs_a_search_in_a_screen():
+    found = {k: n for k, n in _function_lengths("find/finder.py").items() if k.endswith(" find_batch_size")}
+    assert len(found) == 1, found
+    assert max(found.values()) <= MAX_FINDER_LINES, found
+
+
+def test_no_function_of_the_finder_the_engine_or_inference_is_over_the_limit():
+    long = {k: n for rel in SHORT_FUNCTIONS for k, n in _function_lengths(rel).items() if n > MAX_LINES}
+    assert not long, (f"functions over {MAX_LINES} lines (docstring aside): split each into well-named parts\n"
+                      + "\n".join(f"{k}: {n}" for k, n in sorted(long.items())))
