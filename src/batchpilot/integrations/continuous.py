@@ -30,7 +30,7 @@ from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import ResidentPeak, resident_bytes
 from ..memory.oom import free_memory, is_oom
 from ..memory.units import format_bytes, parse_bytes
-from ..policy.search import NothingFitsError, check_target
+from ..policy.search import NothingFitsError, below_by_excess, check_target
 from ._common import require_installed
 
 # checked, not imported: transformers is loaded by the functions that use it (its package alone is
@@ -483,7 +483,7 @@ class _Sizer:
                 best = None
                 sectors = geo.sectors(blocks)
             if run.ok:  # it ran, but took more than the limit: step down by the excess
-                sectors -= max(1, math.ceil((expected - self.limit) / slope))
+                sectors = below_by_excess(sectors, expected - self.limit, slope)
             else:
                 sectors = min(sectors - 1, math.floor(sectors * (1 - _STEP_DOWN)))
             # a cache that failed or ran over bounds the answer from above: the step down is the last

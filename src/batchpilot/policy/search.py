@@ -49,6 +49,7 @@ __all__ = [
     "run_search",
     "doubtful",
     "step_down",
+    "below_by_excess",
 ]
 
 FIT = "fit"
@@ -1223,8 +1224,7 @@ def step_down(b: int, trials: list[Trial], space: SearchSpace, tolerance: float,
     line = fit_line(searched, space.limit_bytes)
     guess = b - max(1, int(b * max(tolerance, 0.01)))
     if attempts <= _LINE_STEPS and line is not None and line[1] > 0:
-        excess = need - (space.limit_bytes - margin / 2)
-        guess = min(guess, b - max(1, math.ceil(excess / line[1])))
+        guess = min(guess, below_by_excess(b, need - (space.limit_bytes - margin / 2), line[1]))
     elif attempts > _LINE_STEPS:
         guess = min(guess, b // 2)
     guess = max(floor, guess)
@@ -1232,3 +1232,11 @@ def step_down(b: int, trials: list[Trial], space: SearchSpace, tolerance: float,
         guess -= 1
     return None if guess in tried else guess
 
+
+def below_by_excess(size: int, excess: float, per_unit: float) -> int:
+    """The size whose need is ``excess`` less than ``size``'s, at ``per_unit`` bytes a unit: at least one unit down.
+
+    What a size that ran over its limit (or out of memory) steps down to: the finder's verification
+    (:func:`step_down`, units are samples) and continuous batching's cache (units are cache sectors).
+    """
+    return size - max(1, math.ceil(excess / per_unit))
