@@ -155,9 +155,11 @@ class Search:
         if self.lockstep is not None:
             space = self.lockstep.agree_space(space)  # one search for every rank: the smallest device
         self._announce(space, cap)
+        progress = self.progress  # not self: a runner that referred back to its search would keep the
+        # snapshot's copies alive in a reference cycle after the search, until a collection
         self.runner = TrialRunner(self.step, self.device, gauge, cfg.steps_per_trial, self.targets, self.snapshot,
                                   self.lockstep, breakdown=not self.run_compiled, timed_steps=cfg.timed_steps,
-                                  model=self.modelled, on_start=lambda b: self.progress.start(f"batch {b}"))
+                                  model=self.modelled, on_start=lambda b: progress.start(f"batch {b}"))
         self._use(space)
         self.learner = CapacityLearner(cfg.target, estimated=gauge.limit.estimated, base=self.base)
         if self.run_compiled:
