@@ -360,12 +360,8 @@ class Engine:
         # read once: a distributed coordinator asks the process group, and the world is fixed for a run
         self._world = _positive_int("coordinator.world_size", self.coordinator.world_size)
         #: uneven shares of the global batch (batchpilot.train.shares), or None: G // world on every rank
-        self.rank_shares: RankShares | None = None
-        if shares is not None:
-            _refuse_with_shares(schedule=schedule, noise=noise, lengths=lengths)
-            self.rank_shares = RankShares(shares, global_batch_size=global_batch_size, world=self._world,
-                                          rank=self.coordinator.rank, coordinator=self.coordinator,
-                                          lockstep=self.coordinator.lockstep)
+        self.rank_shares: RankShares | None = None if shares is None else self._rank_shares(
+            shares, global_batch_size, schedule=schedule, noise=noise, lengths=lengths)
         #: the global batch, the batch the LR is set for, and the schedule that moves it (batchpilot.train.schedule)
         self.global_batch = GlobalBatch(global_batch_size, world_size=self._world, schedule=schedule,
                                         uneven=shares is not None)
@@ -373,6 +369,34 @@ class Engine:
         self.config = config if config is not None else EngineConfig()
         #: the finder's plan the first micro-batch came from (given as ``start`` or found on step 1)
         self.plan: BatchPlan | None = None
+        start = self._micro_batch_mode(micro_batch_size, start)
+        target = self._finder_target(target)
+        if grad_clip is not None and not (isinstance(grad_clip, numbers.Real) and grad_clip > 0):
+            raise ValueError(f"grad_clip must be a positive max norm, got {grad_clip!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = as_loss_fn(loss_fn)
+        self.target = float(target)
+        self.grad_clip = grad_clip
+        self.scheduler = scheduler
+        self.device = resolve_device(device if device is not None else model_device(model))
+        self.amp_dtype = _amp_dtype(amp)
+        if self._fsdp:
+            self._bind_fsdp(model)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
+        self._init_parts(model, optimizer, micro_batch_size, start, noise, schedule, lengths)
+        self._warn_ddp_world()
+
+    def _rank_shares(self, shares: SharesSpec, global_batch_size: int, *, schedule: Any, noise: Any,
+                     lengths: Any) -> RankShares:
+        """The uneven shares' part, once the features that cannot go with it are refused."""
+        _refuse_with_shares(schedule=schedule, noise=noise, lengths=lengths)
+        return RankShares(shares, global_batch_size=global_batch_size, world=self._world,
+                          rank=self.coordinator.rank, coordinator=self.coordinator,
+                          lockstep=self.coordinator.lockstep)
+
+    def _micro_batch_mode(self, micro_batch_size: int | Literal["auto"], start: int | BatchPlan | None) -> int | None:
+        """Set :attr:`fixed` (and :attr:`plan` from a plan given as ``start``); the checked first micro-batch."""
         if micro_batch_size == "auto":
             self.fixed = False
             if isinstance(start, BatchPlan):
@@ -395,6 +419,10 @@ class Engine:
             if start is not None:
                 raise ValueError('start only applies to micro_batch_size="auto"')
             self.fixed = True
+        return start
+
+    def _finder_target(self, target: float | None) -> float:
+        """``Engine(target=)`` or ``config.find``'s target, checked by ``FindOptions``, below the high-water mark."""
         find = self.config.find
         if target is not None and "target" in find.changed() and find.target != target:
             raise BatchSizeError(
@@ -406,19 +434,12 @@ class Engine:
         find = find if target is None else FindOptions.build(find, target=target)
         target = check_target(find.target, below=self.config.high_water, bound="config.high_water",
                               reason="or every grown micro-batch would count as memory pressure")
-        if grad_clip is not None and not (isinstance(grad_clip, numbers.Real) and grad_clip > 0):
-            raise ValueError(f"grad_clip must be a positive max norm, got {grad_clip!r}")
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = as_loss_fn(loss_fn)
-        self.target = float(target)
-        self.grad_clip = grad_clip
-        self.scheduler = scheduler
-        self.device = resolve_device(device if device is not None else model_device(model))
-        self.amp_dtype = _amp_dtype(amp)
-        if self._fsdp:
-            self._bind_fsdp(model)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype is torch.float16 else None
+        return target
+
+    def _init_parts(self, model: nn.Module, optimizer: torch.optim.Optimizer, micro_batch_size: int | Literal["auto"],
+                    start: int | None, noise: bool | NoiseConfig | None, schedule: BatchSchedule | None,
+                    lengths: LengthConfig | bool | None) -> None:
+        """The engine's parts and per-step state: micro-batcher, gauges, retry state, noise meter, length sizer."""
         self.steps = 0
         cfg = self.config
         #: the micro-batch, its policy, memory fit and reasons (batchpilot.train.adapt)
@@ -462,6 +483,8 @@ class Engine:
             param_bytes=sum(p.numel() * p.element_size() for p in self._params),
             target=self.target, high_water=cfg.high_water, world=self._world, group=self.coordinator.group,
         )
+
+    def _warn_ddp_world(self) -> None:
         if self._ddp and self._world == 1 and group_size() > 1:
             logger.warning(
                 "DDP over %d ranks but the coordinator given has a world of 1: an OOM on one rank "
