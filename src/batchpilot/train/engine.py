@@ -1054,17 +1054,8 @@ class Engine:
             model = self.model
         ddp = self._ddp and model is self.model
         n = split.size
-        # "auto": balanced micro-batches (10 at 4 is 4 + 3 + 3, the same passes and peak as
-        # 4 + 4 + 2, no ragged tail); a fixed micro-batch is cut as the user's own loop would
-        sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
         uneven = self.rank_shares if own or replay else None
-        if uneven is not None:
-            sizes = uneven.cut(n, micro)  # FSDP: the count every rank runs; size 0 is a weightless pass
-        widths = None
-        if self.lengths is not None and own:  # the engine's own step, not a finder trial
-            sizes, widths = self.lengths.cut(split, micro, sizes)
-        elif self._compiled:
-            sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
+        sizes, widths = self._micro_sizes(split, micro, own=own, uneven=uneven)
         last = len(sizes) - 1
         scaler = self.scaler if use_scaler else None
         if meter is not None:
@@ -1075,19 +1066,8 @@ class Engine:
         mode = None
         start = 0
         for i, size in enumerate(sizes):
-            # length-aware: the micro-batch's samples, trimmed to their longest
-            if size == 0:  # a pass at zero weight: its collectives pair with the other ranks' (FSDP)
-                mb = split.slice(0, 1, self.device)
-            else:
-                mb = split.slice(start, size, self.device) if widths is None else self.lengths.take(split, i, self.device)
-            if replay and self.lengths is not None and self.lengths.widths:
-                # (without split every micro-batch is sized at the longest rank's length, and this
-                # rank's batch may be shorter)
-                mb = self.lengths.trim(mb, min(*self.lengths.widths, self.lengths.width))
+            mb = self._micro_batch(split, i, start, size, by_length=widths is not None, replay=replay)
             start += size
-            if self._compiled:  # a new micro-batch size, or length, reuses the graph
-                mark_batch_dynamic(mb, self.layout,
-                                   seq_dim=None if self.lengths is None else self.lengths.config.token_dim)
             # DDP all-reduces in the backward of the last micro-batch only, unless deferred;
             # FSDP reduce-scatters there (the coordinator switches it)
             quiet = ddp and (i < last or self.coordinator.defer_grad_sync)
@@ -1107,24 +1087,9 @@ class Engine:
                     mode = kind
                 elif kind != mode:
                     raise ValueError("loss_fn returned a mean for one micro-batch and (sum, count) for another")
-                if kind == "mean":
-                    # weight by sample count: uneven micro-batches still give the batch mean
-                    if uneven is not None:
-                        # uneven shares: by samples over the global batch, times world (the sync divides by it)
-                        scaled = loss * uneven.mean_weight(size)
-                        term = (loss * (size / n)).detach()
-                    else:
-                        scaled = loss if size == n else loss * (size / n)
-                        term = scaled.detach()
-                else:
-                    # a rank-independent constant keeps magnitudes per-sample; the exact total
-                    # count divides the gradients once all micro-batches are done (_apply)
-                    scaled = loss / self._count_norm
-                    term = loss.detach()
-                    if size == 0:
-                        scaled, term = scaled * 0, term * 0
-                    else:
-                        count = count + c
+                scaled, term = self._weighted(loss, kind, size, n, uneven)
+                if kind == "sum" and size != 0:
+                    count = count + c
                 if scaler is not None:
                     scaled = scaler.scale(scaled)
                 if meter is not None:
@@ -1139,6 +1104,57 @@ class Engine:
             total = term if total is None else total + term
         assert total is not None and mode is not None
         return _Accumulated(loss=total, count=count, mode=mode, sizes=sizes)
+
+    def _micro_sizes(self, split: BatchSplitter, micro: int, *, own: bool,
+                     uneven: RankShares | None) -> tuple[list[int], Any]:
+        """The micro-batches ``split`` is cut into at ``micro``, and their widths when cut by length (else ``None``)."""
+        n = split.size
+        # "auto": balanced micro-batches (10 at 4 is 4 + 3 + 3, the same passes and peak as
+        # 4 + 4 + 2, no ragged tail); a fixed micro-batch is cut as the user's own loop would
+        sizes = split_sizes(n, micro) if self.fixed else balanced_sizes(n, accum_steps(n, micro))
+        if uneven is not None:
+            sizes = uneven.cut(n, micro)  # FSDP: the count every rank runs; size 0 is a weightless pass
+        widths = None
+        if self.lengths is not None and own:  # the engine's own step, not a finder trial
+            sizes, widths = self.lengths.cut(split, micro, sizes)
+        elif self._compiled:
+            sizes = no_single_tail(sizes)  # a micro-batch of one would compile a graph of its own
+        return sizes, widths
+
+    def _micro_batch(self, split: BatchSplitter, i: int, start: int, size: int, *, by_length: bool,
+                     replay: bool) -> Any:
+        """Micro-batch ``i`` (``size`` samples from ``start``) on the device, as a pass runs it."""
+        # length-aware: the micro-batch's samples, trimmed to their longest
+        if size == 0:  # a pass at zero weight: its collectives pair with the other ranks' (FSDP)
+            mb = split.slice(0, 1, self.device)
+        else:
+            mb = self.lengths.take(split, i, self.device) if by_length else split.slice(start, size, self.device)
+        if replay and self.lengths is not None and self.lengths.widths:
+            # (without split every micro-batch is sized at the longest rank's length, and this
+            # rank's batch may be shorter)
+            mb = self.lengths.trim(mb, min(*self.lengths.widths, self.lengths.width))
+        if self._compiled:  # a new micro-batch size, or length, reuses the graph
+            mark_batch_dynamic(mb, self.layout,
+                               seq_dim=None if self.lengths is None else self.lengths.config.token_dim)
+        return mb
+
+    def _weighted(self, loss: torch.Tensor, kind: str, size: int, n: int,
+                  uneven: RankShares | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's loss as its backward takes it (``scaled``) and as the step's loss sums it (``term``)."""
+        if kind == "mean":
+            # weight by sample count: uneven micro-batches still give the batch mean
+            if uneven is not None:
+                # uneven shares: by samples over the global batch, times world (the sync divides by it)
+                return loss * uneven.mean_weight(size), (loss * (size / n)).detach()
+            scaled = loss if size == n else loss * (size / n)
+            return scaled, scaled.detach()
+        # a rank-independent constant keeps magnitudes per-sample; the exact total
+        # count divides the gradients once all micro-batches are done (_apply)
+        scaled = loss / self._count_norm
+        term = loss.detach()
+        if size == 0:
+            scaled, term = scaled * 0, term * 0
+        return scaled, term
 
     def _apply(self, acc: _Accumulated) -> tuple[torch.Tensor | None, str | None]:
         """Synchronise and normalise the accumulated gradients, then step the optimizer once.
