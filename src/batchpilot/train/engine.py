@@ -238,6 +238,21 @@ class _Accumulated:
     sizes: list[int]
 
 
+@dataclass
+class _Ran:
+    """A step's passes that ran on every rank: their sums, the micro-batch and why, the OOMs before them."""
+
+    acc: _Accumulated
+    micro: int
+    reason: str
+    ooms: int
+    pressure: bool
+    #: seconds of the passes, when a split nominated by time is being checked on real steps; else None
+    passes: float | None
+    #: with uneven shares, the wall time of the passes that ran (what a rank's speed is measured by); else None
+    share_seconds: float | None
+
+
 class Engine:
     """Train on a fixed global batch with a micro-batch that adapts to the memory.
 
@@ -526,6 +541,67 @@ class Engine:
         n = split.size
         if n > self._per_rank:
             raise ValueError(self._too_large(n))
+        probe = self._begin_step(split, n)
+        try:
+            ran = self._until_it_runs(split, n, probe, tracker=tracker, batch=batch)
+            attempt_peak = probe.peak()
+            probe.reset()
+            grad_norm, skip_reason = self._apply(ran.acc)
+        except BaseException as exc:
+            self._drop_grads()
+            explained = self.coordinator.explain(exc)
+            if explained is not None:
+                raise explained from exc  # a peer's failure, told by the coordinator
+            raise
+        if tracker is not None:
+            tracker.treat_as_host(batch)  # the step is over: its micro-batches leave the device
+        self.steps += 1
+        if ran.passes is not None:
+            self.batcher.observe_step(ran.micro, n, ran.ooms, ran.passes)
+        self._apply_peak = probe.peak()
+        peak = max(attempt_peak, self._apply_peak)
+        noise = self._commit_noise(skip_reason)
+        this_global = self._global
+        self._count_step(n, ran)
+        self._apply_schedule_change(self.global_batch.next_size(self.steps, lambda: self.noise_scale))
+        return StepResult(
+            loss_tensor=ran.acc.loss,
+            micro_batch_size=ran.acc.sizes[0],
+            accum_steps=len(ran.acc.sizes),
+            samples=n,
+            ooms=ran.ooms,
+            peak_bytes=int(peak),
+            measured=True,  # every device has a real figure (see StepResult.memory)
+            memory=probe.kind,
+            seconds=time.perf_counter() - t0,
+            skipped=skip_reason is not None,
+            skip_reason=skip_reason,
+            pressure=ran.pressure,
+            next_micro_batch_size=self.micro_batch_size,
+            grad_norm=grad_norm,
+            compilations=compiles.count,
+            micro_batch_reason=ran.reason,
+            global_batch_size=this_global,
+            next_global_batch_size=self._global,
+            noise=noise,
+            length=None if self.lengths is None else self.lengths.length,
+            micro_batch_sizes=tuple(ran.acc.sizes),
+            micro_batch_lengths=() if self.lengths is None else tuple(self.lengths.widths),
+        )
+
+    def _count_step(self, n: int, ran: _Ran) -> None:
+        """The samples a step trained on, counted; with uneven shares, its time recorded and new shares taken."""
+        if self.rank_shares is None:
+            self.global_batch.count(n)
+        else:
+            self.global_batch.count(n, total=self.rank_shares.total)
+            if ran.ooms == 0:
+                self.rank_shares.record(ran.share_seconds, n)
+            if self.rank_shares.commit():
+                self.batcher.resize(self._per_rank)
+
+    def _begin_step(self, split: BatchSplitter, n: int) -> Gauge:
+        """Before a step's passes: the batch agreed on, the micro-batch sized, the gauge reset, the state kept."""
         self.global_batch.check_loader(n)
         if self.rank_shares is None:
             self.coordinator.agree_batch(n)  # FSDP: every rank must run as many micro-batches, or collectives mispair
@@ -537,117 +613,70 @@ class Engine:
         self._step_capacity = None
         if probe.host and not self.fixed:
             trim_host_memory()  # freed heap back to the OS, so the resident peak is this step's
-        fixed = self.fixed
-        if not fixed:
+        if not self.fixed:
             self.retry.snapshot()
+        return probe
+
+    def _until_it_runs(self, split: BatchSplitter, n: int, probe: Gauge, *, tracker: Any, batch: Any) -> _Ran:
+        """The step's passes at the micro-batch; after an OOM on any rank, shrunk and run again, until they run."""
+        fixed = self.fixed
         ooms = 0
         pressure = False
-        try:
-            while True:
-                micro = min(self.micro_batch_size, n)
-                reason = self.micro_batch_reason
-                halved = micro if self.noise_meter is None else self.noise_meter.micro_batch(n, micro)
-                if halved != micro:
-                    micro = halved
-                    reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
-                if tracker is not None:
-                    tracker.treat_as_host(batch)  # an attempt that ran out held a larger micro-batch's views
-                probe.reset()
-                start_bytes = probe.current()
-                # a split nominated by time is checked on real steps: their passes are timed as
-                # the finder times a trial (a sync point on an accelerator, only while checking)
-                read = step_clock(self.device) if self.batcher.checking else None
-                if read is not None:
-                    probe.synchronize()
-                    began = read()
-                if self.rank_shares is not None:
-                    # every rank's samples and micro-batches (FSDP runs the largest count on every rank)
-                    self.rank_shares.exchange(n, micro, first=ooms == 0)
-                    probe.synchronize()
-                    share_began = time.perf_counter()
-                # attempt() frees memory outside its except block; the agreement runs on every rank
-                outcome = self._attempt(split, micro)
-                if self.rank_shares is not None:
-                    probe.synchronize()
-                    share_seconds = time.perf_counter() - share_began  # wall time: a shared core counts
-                if read is not None:
-                    probe.synchronize()
-                    passes = read() - began
-                if fixed:
-                    oom = self.coordinator.agree_oom(outcome.oom)
-                else:
-                    oom, pressure = self._agree(outcome.oom, micro, start_bytes, ooms)
-                if not oom:
-                    acc = outcome.result
-                    break
-                message = _oom_message(outcome.message, self.coordinator)
-                own_oom = outcome.oom
-                del outcome
-                # another rank's OOM leaves this rank's complete gradients unusable too
-                self._drop_grads()
-                ooms += 1
-                if fixed:
-                    raise fixed_oom_error(micro, self.device, message)
-                self.retry.restore()
-                if self.lengths is not None:
-                    self.lengths.on_oom(self._capacity())
-                if self.rank_shares is None:
-                    self.batcher.shrink_after_oom(micro, message)
-                else:  # each rank's micro-batch is its own: the rank that ran out shrinks, the others retry theirs
-                    self.rank_shares.on_oom(hopeless=own_oom and micro <= 1, message=message)
-                    if own_oom:
-                        self.batcher.shrink_after_oom(micro, message)
-            attempt_peak = probe.peak()
+        while True:
+            micro = min(self.micro_batch_size, n)
+            reason = self.micro_batch_reason
+            halved = micro if self.noise_meter is None else self.noise_meter.micro_batch(n, micro)
+            if halved != micro:
+                micro = halved
+                reason = "; ".join(r for r in (reason, "split in two to measure the gradient noise scale") if r)
+            if tracker is not None:
+                tracker.treat_as_host(batch)  # an attempt that ran out held a larger micro-batch's views
             probe.reset()
-            grad_norm, skip_reason = self._apply(acc)
-        except BaseException as exc:
+            start_bytes = probe.current()
+            # a split nominated by time is checked on real steps: their passes are timed as
+            # the finder times a trial (a sync point on an accelerator, only while checking)
+            read = step_clock(self.device) if self.batcher.checking else None
+            if read is not None:
+                probe.synchronize()
+                began = read()
+            if self.rank_shares is not None:
+                # every rank's samples and micro-batches (FSDP runs the largest count on every rank)
+                self.rank_shares.exchange(n, micro, first=ooms == 0)
+                probe.synchronize()
+                share_began = time.perf_counter()
+            # attempt() frees memory outside its except block; the agreement runs on every rank
+            outcome = self._attempt(split, micro)
+            if self.rank_shares is not None:
+                probe.synchronize()
+                share_seconds = time.perf_counter() - share_began  # wall time: a shared core counts
+            if read is not None:
+                probe.synchronize()
+                passes = read() - began
+            if fixed:
+                oom = self.coordinator.agree_oom(outcome.oom)
+            else:
+                oom, pressure = self._agree(outcome.oom, micro, start_bytes, ooms)
+            if not oom:
+                return _Ran(acc=outcome.result, micro=micro, reason=reason, ooms=ooms, pressure=pressure,
+                            passes=passes if read is not None else None,
+                            share_seconds=share_seconds if self.rank_shares is not None else None)
+            message = _oom_message(outcome.message, self.coordinator)
+            own_oom = outcome.oom
+            del outcome
+            # another rank's OOM leaves this rank's complete gradients unusable too
             self._drop_grads()
-            explained = self.coordinator.explain(exc)
-            if explained is not None:
-                raise explained from exc  # a peer's failure, told by the coordinator
-            raise
-        if tracker is not None:
-            tracker.treat_as_host(batch)  # the step is over: its micro-batches leave the device
-        self.steps += 1
-        if read is not None:
-            self.batcher.observe_step(micro, n, ooms, passes)
-        self._apply_peak = probe.peak()
-        peak = max(attempt_peak, self._apply_peak)
-        noise = self._commit_noise(skip_reason)
-        this_global = self._global
-        if self.rank_shares is None:
-            self.global_batch.count(n)
-        else:
-            self.global_batch.count(n, total=self.rank_shares.total)
-            if ooms == 0:
-                self.rank_shares.record(share_seconds, n)
-            if self.rank_shares.commit():
-                self.batcher.resize(self._per_rank)
-        self._apply_schedule_change(self.global_batch.next_size(self.steps, lambda: self.noise_scale))
-        return StepResult(
-            loss_tensor=acc.loss,
-            micro_batch_size=acc.sizes[0],
-            accum_steps=len(acc.sizes),
-            samples=n,
-            ooms=ooms,
-            peak_bytes=int(peak),
-            measured=True,  # every device has a real figure (see StepResult.memory)
-            memory=probe.kind,
-            seconds=time.perf_counter() - t0,
-            skipped=skip_reason is not None,
-            skip_reason=skip_reason,
-            pressure=pressure,
-            next_micro_batch_size=self.micro_batch_size,
-            grad_norm=grad_norm,
-            compilations=compiles.count,
-            micro_batch_reason=reason,
-            global_batch_size=this_global,
-            next_global_batch_size=self._global,
-            noise=noise,
-            length=None if self.lengths is None else self.lengths.length,
-            micro_batch_sizes=tuple(acc.sizes),
-            micro_batch_lengths=() if self.lengths is None else tuple(self.lengths.widths),
-        )
+            ooms += 1
+            if fixed:
+                raise fixed_oom_error(micro, self.device, message)
+            self.retry.restore()
+            if self.lengths is not None:
+                self.lengths.on_oom(self._capacity())
+            if self.rank_shares is None:
+                self.batcher.shrink_after_oom(micro, message)
+            else:  # each rank's micro-batch is its own: the rank that ran out shrinks, the others retry theirs
+                self.rank_shares.on_oom(hopeless=own_oom and micro <= 1, message=message)
+                if own_oom:
+                    self.batcher.shrink_after_oom(micro, message)
 
     @property
     def global_batch_size(self) -> int:
