@@ -16,7 +16,8 @@ and every rank still runs exactly one optimizer step (one gradient all-reduce) p
   time each rank needs relative to the others.
 * :func:`check_shares`, :func:`equal_shares` -- shares a user gives (or weights), and the equal split.
 * :class:`ShareBalancer` -- the runtime decision: every rank's measured step times (the same
-  numbers on every rank) in, new shares out once a window of steps says they are clearly faster.
+  numbers on every rank) in, new shares out once a window of steps says they are faster beyond
+  the noise; a move the real steps after it do not confirm is undone and held.
 
 The same functions serve the planner (speeds from the GPU table or the user) and the runtime
 split (speeds measured per rank): pass samples/s or any figure proportional to it. They are
@@ -28,10 +29,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from .._checks import check_int, positive_int
+from .evidence import NOISE_Z
 from .microbatch import accum_steps
 
 __all__ = ["RankShare", "check_speeds", "split_shares", "balanced_total", "rank_shares", "step_seconds",
@@ -260,15 +262,38 @@ class ShareDecision:
 
 @dataclass
 class ShareBalancer:
-    """Shares proportional to each rank's measured samples/s, moved only when clearly faster.
+    """Shares proportional to each rank's measured samples/s, moved only when clearly faster, and checked.
 
     Each step, every rank reports the seconds it spent on its share (forward and backward of its
     micro-batches, no waiting on the others) and how many samples that was. After ``window``
     steps at the same shares the balancer takes each rank's median rate (one slow step is an
-    anecdote, the median of ``window`` is a measurement), splits the global batch in proportion
-    to the rates, and moves there only when the predicted step time (the slowest rank's
-    share / rate) drops by more than ``margin``. A change of memory (an OOM that shrank a rank's
-    micro-batch, a growth) changes the rate: :meth:`reset` starts a new window.
+    anecdote, the median of ``window`` is a measurement) and splits the global batch in
+    proportion to the rates. On a shared machine a rank's rate is stretched by whatever else ran
+    on its cores at that moment, and that load moves, so the rule is the one for every choice
+    taken from measured times (:mod:`batchpilot.policy.evidence`):
+
+    * **Evidence beats the noise.** The shares move only when the predicted step time (the
+      slowest rank's share / rate) falls by more than ``margin`` *and* by more than the noise
+      of the rates: :data:`~batchpilot.policy.evidence.NOISE_Z` standard errors of a difference
+      of two ranks' log median rates, each rank's scatter taken from the median absolute
+      deviation of its per-step log rates (robust to one slow step).
+    * **Checked on the real steps that follow.** The steps at the new shares are compared with
+      the steps before the move (the window that moved them and up to three before it at the
+      same shares, not that window alone: a window picked for looking lopsided is slower than
+      usual by that choice alone; a move waits until two windows are measured), per step by
+      what a step costs: the slowest rank's seconds.
+      The move is kept when their median is lower by more than its noise (the same
+      :data:`~batchpilot.policy.evidence.NOISE_Z` standard errors) and by half the ``margin``
+      (the prediction had to clear all of it). Faster but within the noise: another window of
+      real steps, up to three, where one standard error suffices (a gain that holds over three
+      windows is no chance, and a truly slower rank's real gain is smaller than predicted, a
+      step being the larger of two scattered times). Otherwise the balancer goes back to the previous shares, says so
+      in the decision's reason, and holds them: it measures nothing more until :meth:`reset`
+      (an OOM or another change of memory, new shares set by hand), so the shares cannot
+      oscillate.
+
+    A move that the real steps confirm is kept, and the windows that confirmed it are the next
+    decision's baseline.
 
     Args:
         window: steps measured per decision (the first ``skip`` after a change are not counted).
@@ -287,6 +312,13 @@ class ShareBalancer:
     _times: list[tuple[float, ...]] = field(default_factory=list, init=False, repr=False)
     _samples: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
     _skipped: int = field(default=0, init=False, repr=False)
+    # after a move: (shares before it, shares moved to, the slowest rank's seconds per step before it)
+    _check: tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]] | None = field(default=None, init=False,
+                                                                                         repr=False)
+    # after a reverted move: the reason the shares are held (nothing is measured until reset())
+    _held: str | None = field(default=None, init=False, repr=False)
+    # the slowest rank's seconds per step at the current shares, the last few windows (the check's baseline)
+    _history: list[float] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.window, int) and self.window >= 3):
@@ -303,11 +335,22 @@ class ShareBalancer:
         """Steps in the current window."""
         return len(self._times)
 
+    @property
+    def held(self) -> bool:
+        """A move was reverted: the shares stay as they are until :meth:`reset`."""
+        return self._held is not None
+
     def reset(self) -> None:
-        """Start a new window (the shares or a rank's micro-batch changed)."""
+        """Start anew (a rank's memory or the shares changed from outside): a new window, no check, no hold."""
+        self._restart()
+        self._skipped = 0
+        self._check = None
+        self._held = None
+        self._history.clear()
+
+    def _restart(self) -> None:
         self._times.clear()
         self._samples.clear()
-        self._skipped = 0
 
     def observe(self, shares: Sequence[int], samples: Sequence[int], seconds: Sequence[float]) -> ShareDecision:
         """One step's per-rank ``samples`` and ``seconds`` at ``shares``; the shares of the next step.
@@ -316,6 +359,12 @@ class ShareBalancer:
         no time is not counted.
         """
         current = tuple(int(s) for s in shares)
+        if self._held is not None:
+            return ShareDecision(current, False, reason=self._held)
+        if self._check is not None and self._check[1] != current:
+            self._check = None  # the move was not taken up: nothing to check
+            self._history.clear()
+            self._skipped = 0
         full = tuple(int(n) for n in samples) == current
         if not full or not all(t > 0 for t in seconds):
             return ShareDecision(current, False, reason="step not counted (short batch or no time)")
@@ -327,21 +376,99 @@ class ShareBalancer:
         if len(self._times) < self.window:
             return ShareDecision(current, False, reason=f"measuring ({len(self._times)} of {self.window} steps)")
         world = len(current)
-        rates = tuple(statistics.median(s[r] / t[r] for s, t in zip(self._samples, self._times)) for r in range(world))
-        self.reset()
-        return self.decide(current, rates)
+        per_step = [[s[r] / t[r] for s, t in zip(self._samples, self._times)] for r in range(world)]
+        rates = tuple(statistics.median(v) for v in per_step)
+        noise = NOISE_Z * math.sqrt(2.0) * max(_median_error(v) for v in per_step)
+        steps = tuple(max(t) for t in self._times)
+        self._restart()
+        # the baseline is every step at these shares of the last few windows, not only the one that
+        # moves them: a window picked for looking lopsided is slower than usual by that choice alone
+        self._history = (self._history + list(steps))[-_BASELINE_WINDOWS * self.window:]
+        note = ""
+        if self._check is not None:
+            before_shares, moved, before = self._check
+            after = self._history  # every step since the move
+            then, now, error = statistics.median(before), statistics.median(after), _median_error(before, after)
+            floor = -math.log(1 - self.margin / 2)
+            last = len(after) >= _CHECK_WINDOWS * self.window
+            # the last look, on three windows, asks one standard error: a move that stays faster
+            # that long is no chance, and a truly slower rank's gain is cut by its max of two scatters
+            bound = max((_LAST_Z if last else NOISE_Z) * error, floor)
+            gain = math.log(then / now)
+            if floor < gain <= bound and not last:
+                # faster, but not yet beyond the noise: more real steps tell
+                return ShareDecision(current, False, rates, step_seconds(current, rates),
+                                     f"shares {list(current)} on trial: {now:.4g} s against {then:.4g} s before the "
+                                     f"move over {len(after)} steps, within the noise of {1 - math.exp(-bound):.1%}")
+            self._check = None
+            if not gain > bound:
+                self._held = (f"shares {list(before_shares)} held after the move to {list(moved)} was reverted; "
+                              "measured anew after a change of memory")
+                return ShareDecision(
+                    before_shares, True, rates, step_seconds(before_shares, rates),
+                    f"shares {list(moved)} -> {list(before_shares)}: the move to {list(moved)} was not faster on real "
+                    f"steps: {now:.4g} s against {then:.4g} s over {len(after)} steps (needed {1 - math.exp(-bound):.1%} "
+                    f"less); held until a change of memory")
+            note = f"; the move to {list(moved)} was faster on real steps: {now:.4g} s against {then:.4g} s"
+        decision = self.decide(current, rates, noise=noise)
+        if decision.changed and len(self._history) < _BASELINE_LEAST * self.window:
+            # the check needs a baseline it can tell a real gain from: one more window first
+            return ShareDecision(current, False, rates, step_seconds(current, rates),
+                                 f"shares {list(current)} kept until {_BASELINE_LEAST} windows are measured "
+                                 f"(would move to {list(decision.shares)})")
+        if decision.changed:
+            self._check = (current, decision.shares, tuple(self._history))
+            self._history = []
+            self._skipped = 0  # warm-up at the new shares
+        elif note:
+            decision = replace(decision, reason=decision.reason + note)
+        return decision
 
-    def decide(self, current: Sequence[int], rates: Sequence[float]) -> ShareDecision:
-        """The shares for per-rank ``rates`` (samples/s), or ``current`` when they are not faster by ``margin``."""
+    def decide(self, current: Sequence[int], rates: Sequence[float], *, noise: float = 0.0) -> ShareDecision:
+        """The shares for per-rank ``rates`` (samples/s), or ``current`` when they are not clearly faster.
+
+        ``noise``: how far (in log) the predicted step time's fall must go beyond chance, on top of
+        ``margin`` (0: rates taken as exact).
+        """
         current = tuple(int(s) for s in current)
         total = sum(current)
         proposal = tuple(split_shares(total, list(rates), floors=[self.minimum] * len(current)))
         now = max(s / r for s, r in zip(current, rates))
         then = max(s / r for s, r in zip(proposal, rates))
         rates_text = ", ".join(f"{r:.4g}" for r in rates)
-        if proposal != current and then < now * (1 - self.margin):
+        needed = max(-math.log(1 - self.margin), noise)
+        if proposal != current and math.log(now / then) > needed:
             return ShareDecision(proposal, True, tuple(rates), then,
                                  f"shares {list(current)} -> {list(proposal)}: samples/s per rank {rates_text}, "
                                  f"predicted step {now:.4g}s -> {then:.4g}s")
+        why = "" if proposal == current or now <= then else (
+            f" (predicted {now:.4g}s -> {then:.4g}s at {list(proposal)}, within "
+            f"{'the noise' if noise > -math.log(1 - self.margin) else 'the margin'} of {1 - math.exp(-needed):.1%})")
         return ShareDecision(current, False, tuple(rates), now,
-                             f"shares {list(current)} kept: samples/s per rank {rates_text}")
+                             f"shares {list(current)} kept: samples/s per rank {rates_text}{why}")
+
+
+#: windows at the same shares whose steps make the check's baseline
+_BASELINE_WINDOWS = 4
+#: windows at the same shares measured before a move (the fewest the check's baseline holds)
+_BASELINE_LEAST = 2
+#: windows of real steps after a move, at most, before the check decides (fewer when clear)
+_CHECK_WINDOWS = 3
+#: standard errors the real gain must exceed at the check's last look
+_LAST_Z = 1.0
+
+
+def _median_error(*groups: Sequence[float]) -> float:
+    """The standard error of a median of log values (of a difference of medians, for two groups).
+
+    The scatter is the median absolute deviation of ``log(x)`` about each group's median (scaled
+    to a normal standard deviation, pooled), robust to the odd slow step; a median of ``n``
+    values has about ``1.2533 / sqrt(n)`` of it.
+    """
+    deviations: list[float] = []
+    for g in groups:
+        logs = [math.log(x) for x in g]
+        mid = statistics.median(logs)
+        deviations += [abs(v - mid) for v in logs]
+    sigma = 1.4826 * statistics.median(deviations)
+    return 1.2533 * sigma * math.sqrt(sum(1 / len(g) for g in groups))
