@@ -30,7 +30,17 @@ from ..memory.gauge import Gauge, gauge_for
 from ..memory.host import ResidentPeak, resident_bytes
 from ..memory.oom import free_memory, is_oom
 from ..memory.units import format_bytes, parse_bytes
-from ..policy.search import NothingFitsError, below_by_excess, check_target
+from ..policy.search import (
+    FIT,
+    OOM,
+    OVER_TARGET,
+    GrowStepDownPolicy,
+    NothingFitsError,
+    SearchSpace,
+    Trial,
+    check_target,
+    run_search,
+)
 from ._common import require_installed
 
 # checked, not imported: transformers is loaded by the functions that use it (its package alone is
@@ -384,12 +394,19 @@ class _Sizer:
     def _fill(self, tokens: int, blocks: int, rate: float) -> tuple[list[list[int]], bool]:
         """Prompts that fill a cache of ``blocks`` (more requests than it holds), when that takes a few seconds
         at the probe's rate; else the probe's workload. And whether they fill it."""
-        length = self._prompt_length(tokens)
-        per_request = math.ceil((length + _RUN_NEW_TOKENS) / self.base_config.page_size)
-        count = math.ceil(1.2 * blocks / per_request) + 1
-        if count * length <= _FILL_SECONDS * rate and count <= _FILL_REQUESTS:
-            return self._prompts(count, length), True
+        if self._fills(tokens, blocks, rate):
+            return self._prompts(self._fill_count(tokens, blocks), self._prompt_length(tokens)), True
         return self._workload(tokens), False
+
+    def _fill_count(self, tokens: int, blocks: int) -> int:
+        """Requests that fill a cache of ``blocks``, with some left waiting."""
+        per_request = math.ceil((self._prompt_length(tokens) + _RUN_NEW_TOKENS) / self.base_config.page_size)
+        return math.ceil(1.2 * blocks / per_request) + 1
+
+    def _fills(self, tokens: int, blocks: int, rate: float) -> bool:
+        """Whether runs at ``blocks`` fill their cache: in a few seconds at the probe's ``rate`` of prompt tokens."""
+        count = self._fill_count(tokens, blocks)
+        return count * self._prompt_length(tokens) <= _FILL_SECONDS * rate and count <= _FILL_REQUESTS
 
     def _blocks_for(self, lengths: Sequence[int], new: int) -> int:
         page = self.base_config.page_size
@@ -443,56 +460,36 @@ class _Sizer:
 
         A run whose requests filled the cache measured the peak itself, and is judged by what it
         measured; one that could not fill it in a few seconds is judged by the larger of its measure
-        and the prediction. The configuration returned is the last that ran.
+        and the prediction. The configuration returned is the last that ran. The decisions are
+        :class:`~batchpilot.policy.search.GrowStepDownPolicy`'s, in cache sectors, driven by
+        :func:`~batchpilot.policy.search.run_search`.
         """
         geo = self.geometry
         assert geo is not None
         probe = self.runs[-1]
         rate = sum(len(p) for p in self._workload(tokens)) / max(probe.generating, 1e-3)
-        floor_sectors, ceiling = self._min_sectors(tokens), self._max_sectors()
-        best: tuple[int, _Run, int] | None = None  # (blocks, run, expected growth) of the largest that ran
-        grown = False
-        last = probe
-        for _ in range(_MAX_RUNS):
-            blocks = geo.blocks(sectors)
-            prompts, filled = self._fill(tokens, blocks, rate)
+        policy = GrowStepDownPolicy(
+            start=sectors, limit=self.limit, floor=self._min_sectors(tokens), ceiling=self._max_sectors(),
+            probe_units=geo.sectors(probe.num_blocks), probe_peak=probe.peak_bytes,
+            footprint=lambda s: geo.footprint(tokens, s), units=lambda s: geo.sectors(geo.blocks(s)),
+            fills=lambda s: self._fills(tokens, geo.blocks(s), rate), grow=_GROW, step=_STEP_DOWN, rounds=_MAX_RUNS,
+        )
+
+        def trial(size: int) -> Trial:
+            blocks = geo.blocks(size)
+            prompts, _ = self._fill(tokens, blocks, rate)
             run = self._run(blocks, tokens, prompts)
-            predicted = self._predicted(tokens, geo.sectors(blocks), probe)
-            expected = run.peak_bytes if filled else max(predicted, run.peak_bytes)
-            # the larger of transformers' slope and the one two filled runs measured
-            slope = max(1, geo.footprint(tokens, sectors + 1) - geo.footprint(tokens, sectors))
-            if run.ok and last.ok and geo.sectors(blocks) != geo.sectors(last.num_blocks):
-                measured = (run.peak_bytes - last.peak_bytes) / (geo.sectors(blocks) - geo.sectors(last.num_blocks))
-                slope = max(slope, math.ceil(measured))
-            last = run if filled else last
-            if run.ok and expected <= self.limit:
-                best = (blocks, run, expected)
-                grow = math.floor((self.limit - expected) / slope)
-                if grown or not filled or sectors >= ceiling or grow < max(1, _GROW * sectors):
-                    return self._plan(blocks, tokens, expected, run)
-                grown = True  # once: a run that filled its cache with room left
-                sectors = min(ceiling, sectors + grow)
-                continue
-            if best is not None:
-                # a larger cache did not fit after a smaller one ran: run the smaller again, as the last thing
-                blocks, _, expected = best
-                prompts, _ = self._fill(tokens, blocks, rate)
-                run = self._run(blocks, tokens, prompts)
-                if run.ok and run.peak_bytes <= self.limit:
-                    return self._plan(blocks, tokens, max(expected, run.peak_bytes), run)
-                best = None
-                sectors = geo.sectors(blocks)
-            if run.ok:  # it ran, but took more than the limit: step down by the excess
-                sectors = below_by_excess(sectors, expected - self.limit, slope)
-            else:
-                sectors = min(sectors - 1, math.floor(sectors * (1 - _STEP_DOWN)))
-            # a cache that failed or ran over bounds the answer from above: the step down is the last
-            # size tried upward, so that sizing takes three runs (probe, prediction, step down), not a
-            # fourth to win back the part of a step (the arena's heaps make the excess look larger)
-            grown = True
-            if sectors < floor_sectors:
-                break
-        raise self._nothing_fits(tokens, self.runs[-1])
+            outcome = OOM if not run.ok else FIT if run.peak_bytes <= self.limit else OVER_TARGET
+            return Trial(batch_size=size, outcome=outcome, peak_bytes=run.peak_bytes, seconds=run.seconds)
+
+        # the space only bounds the sizes asked for; the policy judges each run against its own limit
+        space = SearchSpace(limit_bytes=max(1, self.limit), capacity_bytes=max(1, self.limit, self.headroom))
+        result = run_search(policy, space, trial, max_trials=2 * _MAX_RUNS)
+        found = policy.answer(result.trials)
+        if found is None:
+            raise self._nothing_fits(tokens, self.runs[-1])
+        size, expected = found
+        return self._plan(geo.blocks(size), tokens, expected, self.runs[-1])
 
     def _plan(self, blocks: int, tokens: int, predicted: int, run: _Run) -> ContinuousBatchingPlan:
         geo = self.geometry

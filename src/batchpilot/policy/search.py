@@ -36,6 +36,7 @@ __all__ = [
     "BinsearchPolicy",
     "DecayPolicy",
     "SecantPolicy",
+    "GrowStepDownPolicy",
     "STRATEGIES",
     "make_policy",
     "decay_batch_step",
@@ -424,6 +425,8 @@ class SearchPolicy(ABC):
     name: ClassVar[str]
     #: True when the policy stops only at the exact boundary (b fits, b + 1 does not).
     exact: ClassVar[bool]
+    #: True when the policy may ask for a size again (a verification runs an answer a second time).
+    repeats: ClassVar[bool] = False
 
     @abstractmethod
     def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
@@ -1048,6 +1051,100 @@ class SecantPolicy(SearchPolicy):
             stalled = interpolate and (state.hi - state.lo) * 2 > hi - lo
 
 
+@dataclass(kw_only=True)
+class GrowStepDownPolicy(SearchPolicy):
+    """Verify a predicted size by real runs: grow once into room left, step down when one fails.
+
+    Continuous batching's cache (units are cache sectors) is sized by a prediction from one small
+    run; this runs the prediction and judges each run by what it measured when its requests filled
+    the cache (``fills``), else by the larger of that and the prediction (``probe_peak`` plus the
+    ``footprint`` the account adds over ``probe_units``). A run that fits and filled the cache with
+    at least ``grow`` of its size left grows once by the room over the slope (the larger of the
+    account's and the one two filled runs measured). One that fails after a smaller one ran runs
+    that smaller one again, as the last thing; one that ran over the limit steps down by the
+    excess (:func:`below_by_excess`), one out of memory by ``step``. A failure bounds the answer
+    from above: no growing after it. The search ends below ``floor`` or after ``rounds``.
+
+    Each trial's ``peak_bytes`` is the run's measured growth; ``measured`` says it ran. ``units``
+    is the size a request for ``n`` really gets (the cache rounds). Stateless like every policy:
+    :meth:`next_size` replays the decisions over the trials, :meth:`answer` reads the result.
+    """
+
+    name: ClassVar[str] = "grow-step-down"
+    exact: ClassVar[bool] = False
+    repeats: ClassVar[bool] = True
+    start: int
+    limit: int
+    floor: int
+    ceiling: int
+    probe_units: int
+    probe_peak: int
+    footprint: Callable[[int], int]
+    units: Callable[[int], int]
+    fills: Callable[[int], bool]
+    grow: float = 0.05
+    step: float = 0.15
+    rounds: int = 6
+
+    def next_size(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        return self._replay(trials)[0]
+
+    def answer(self, trials: Sequence[Trial]) -> tuple[int, int] | None:
+        """``(size, bytes it is expected to grow)`` of the last trial once it is the answer; else ``None``."""
+        return self._replay(trials)[1]
+
+    def _replay(self, trials: Sequence[Trial]) -> tuple[int | None, tuple[int, int] | None]:
+        found: list[tuple[int, int]] = []
+        sizes = self._sizes(found)
+        try:
+            b = next(sizes)
+            for t in trials:
+                if t.batch_size != b:
+                    raise BatchSizeError(f"trial at {t.batch_size} where the {self.name} search asked for {b}")
+                b = sizes.send(t)
+        except StopIteration:
+            return None, found[-1] if found else None
+        return b, None
+
+    def _sizes(self, found: list[tuple[int, int]]) -> Generator[int, Trial, None]:
+        """The decisions as a generator: yields a size, is sent its trial; appends the answer to ``found``."""
+        size = self.start
+        best: tuple[int, int] | None = None  # (size, expected growth) of the largest that ran
+        grown = False
+        last = (self.probe_units, self.probe_peak, True)  # the last run that filled its cache
+        for _ in range(self.rounds):
+            t = yield size
+            units, filled = self.units(size), self.fills(size)
+            predicted = self.probe_peak + self.footprint(units) - self.footprint(self.probe_units)
+            expected = t.peak_bytes if filled else max(predicted, t.peak_bytes)
+            slope = max(1, self.footprint(size + 1) - self.footprint(size))
+            if t.measured and last[2] and units != last[0]:
+                slope = max(slope, math.ceil((t.peak_bytes - last[1]) / (units - last[0])))
+            last = (units, t.peak_bytes, t.measured) if filled else last
+            if t.measured and expected <= self.limit:
+                best = (size, expected)
+                room = math.floor((self.limit - expected) / slope)
+                if grown or not filled or size >= self.ceiling or room < max(1, self.grow * size):
+                    found.append((size, expected))
+                    return
+                grown, size = True, min(self.ceiling, size + room)
+                continue
+            if best is not None:  # a larger size did not fit after a smaller one ran: run that again, last
+                again = yield best[0]
+                if again.measured and again.peak_bytes <= self.limit:
+                    found.append((best[0], max(best[1], again.peak_bytes)))
+                    return
+                # the step down below goes from the rerun: its outcome, and the growth expected of it
+                size, expected, t, best = self.units(best[0]), best[1], again, None
+            if t.measured:  # it ran, but took more than the limit: step down by the excess
+                size = below_by_excess(size, expected - self.limit, slope)
+            else:
+                size = min(size - 1, math.floor(size * (1 - self.step)))
+            grown = True
+            if size < self.floor:
+                return
+
+
 @dataclass
 class _Bracket:
     """:class:`SecantPolicy`'s bracket while it replays: ``lo`` fits, ``hi`` does not (or lies past the maximum)."""
@@ -1149,7 +1246,7 @@ def run_search(
             break
         if b < space.min_batch_size or (space.upper is not None and b > space.upper):
             raise BatchSizeError(f"policy {policy.name} asked for batch size {b} outside the bounds {space}")
-        if any(t.batch_size == b for t in trials):
+        if not policy.repeats and any(t.batch_size == b for t in trials):
             raise BatchSizeError(f"policy {policy.name} asked for batch size {b} twice")
         trial = run_trial(b)
         trials.append(trial)
