@@ -80,10 +80,10 @@ class Search:
         # before anything is measured: on a terminal its first line is written now
         self.progress = Progress(f"finding the batch size on {self.device}", enabled=cfg.progress, logger=logger)
         self.targets = [o for o in restore if o is not None]
-        self.emulated = cfg.capacity is not None and self.device.type in EMULATED_DEVICES
+        self.emulating = cfg.capacity is not None and self.device.type in EMULATED_DEVICES
         # called inside the caller's own emulate_capacity: measure against that emulation
-        ambient = None if self.emulated else emulated_capacity(self.device)
-        self.gauge = gauge_for(self.device, emulated_capacity=cfg.capacity if self.emulated else ambient)
+        ambient = None if self.emulating else emulated_capacity(self.device)
+        self.gauge = gauge_for(self.device, emulated_capacity=cfg.capacity if self.emulating else ambient)
         self.tolerance = cfg.tolerance if cfg.tolerance is not None else (
             0.0 if self.gauge.limit.tracked else _REAL_TOLERANCE)
         self.started = time.perf_counter()
@@ -116,7 +116,7 @@ class Search:
         held = self._hold()
         try:
             with contextlib.ExitStack() as stack:
-                if self.emulated:
+                if self.emulating:
                     stack.enter_context(emulate_capacity(self.cfg.capacity, self.device, track=self.targets))
                 self._prepare()
                 found = self._find()
