@@ -14,8 +14,7 @@ import sys
 from typing import Any
 
 from .find.finder import find_batch_size
-from .find import front as _front
-from .find.front import find_batch_size_for
+from .dist.front import find_batch_size_for
 from .find.options import FindOptions
 from .find.result import BatchPlan
 from .memory.probes import emulate_capacity
@@ -27,14 +26,6 @@ from .train.noise import NoiseConfig
 
 __version__ = "0.2.0"
 
-
-def _fsdp_search() -> Any:
-    from .dist.fsdp import find_batch_size_fsdp  # on first use: a sharded model is searched in lockstep
-
-    return find_batch_size_fsdp
-
-
-_front.set_lockstep_search(_fsdp_search)
 
 _LAZY = {
     "plan_batch_size": "plan.planner",

@@ -316,6 +316,8 @@ def test_find_batch_size_fsdp_agrees_after_each_trial_and_restores_the_shards(la
         assert 1 <= generic["batch_size"] < 16 and generic["limited_by_rank"] == 1
         assert any(outcome == "oom" for _, outcome, _ in generic["trials"])  # rank 1 ran out, in lockstep
         assert generic == read_result(launched, "find_rank0.json")["generic"]  # the same trials everywhere
+        refusal = read_result(launched, f"find_rank{rank}.json")["finder_layer"]
+        assert "batchpilot.find_batch_size_for" in refusal and "search=" in refusal
 
 
 def test_an_oom_no_replay_can_survive_ends_every_rank_with_the_rank_and_size(tmp_path):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchpilot import Engine, EngineConfig, LengthConfig
-from batchpilot.find.front import find_batch_size_for
+from batchpilot import find_batch_size_for
 from batchpilot.memory.probes import emulate_capacity
 from batchpilot.train.noise import NoiseConfig
 

@@ -22,7 +22,7 @@ from batchpilot.app.models import MLP
 from batchpilot.core.sharding import shard_model
 from batchpilot.dist import distributed as bd
 from batchpilot.dist.fsdp import CollectiveOOMError, FSDPCoordinator, find_batch_size_fsdp
-from batchpilot.find.front import find_batch_size_for
+from batchpilot import find_batch_size_for
 from batchpilot.memory.probes import emulate_capacity, track_peak
 from batchpilot.train.engine import Engine, EngineConfig, LocalCoordinator
 
@@ -249,6 +249,14 @@ def run_find(out: Path) -> None:
                                   max_batch_size=FIND_MAX, strategy="binsearch")
     result["generic"] = {"batch_size": generic.batch_size, "limited_by_rank": generic.limited_by_rank,
                          "trials": [(t.batch_size, t.outcome, t.peak_bytes) for t in generic.trials]}
+    # the finder's own layer has no lockstep search (it lives in dist, above it): told so, before any trial
+    from batchpilot.find.front import find_batch_size_for as finder_layer
+
+    try:
+        finder_layer(model, (x, y), optimizer=opt, loss_fn=ce_loss, capacity=tight, max_batch_size=FIND_MAX)
+        result["finder_layer"] = "searched"
+    except ValueError as e:
+        result["finder_layer"] = str(e)
     result["direct"] = {
         "truth": [(t.batch_size, t.outcome, t.peak_bytes) for t in truth.trials],
         "batch_size": plan.batch_size, "limited_by_rank": plan.limited_by_rank, "capacity": tight,

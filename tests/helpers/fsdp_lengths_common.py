@@ -284,7 +284,7 @@ def tracked_peak(batch_size: int, length: int) -> tuple[int, int]:
 
 def run_find(out: Path) -> None:
     """``find_batch_size_for(..., lengths=)`` on the sharded model (no search= given), then tracked peaks."""
-    from batchpilot.find.front import find_batch_size_for
+    from batchpilot import find_batch_size_for
 
     rank = bd.rank()
     model = shard_model(build())

@@ -14,7 +14,7 @@ from torch import nn
 
 from .ranks import group_size, is_distributed
 
-__all__ = ["all_fsdp_param_groups", "fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "reset_fsdp_state",
+__all__ = ["all_fsdp_param_groups", "fsdp_modules", "fsdp_param_groups", "fsdp_roots", "is_fsdp", "sharded_over_ranks", "reset_fsdp_state",
            "reshard_fsdp", "shard_blocks", "shard_model"]
 
 
@@ -44,6 +44,12 @@ def is_fsdp(model: nn.Module) -> bool:
     """
     kind = _fsdp_module_type()
     return kind is not None and any(isinstance(m, kind) for m in model.modules())
+
+
+def sharded_over_ranks(model: nn.Module) -> bool:
+    """A ``fully_shard`` (FSDP2) model in a process group of more than one rank: its ranks must run
+    every trial of a search together (one rank's OOM would leave the others in a collective)."""
+    return group_size() > 1 and is_fsdp(model)
 
 
 def fsdp_roots(model: nn.Module) -> list[nn.Module]:

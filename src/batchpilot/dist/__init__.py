@@ -4,7 +4,8 @@
 ``LocalCoordinator``), :mod:`~batchpilot.dist.distributed` (agreement between ranks,
 ``DistributedCoordinator``, the finder on every rank), :mod:`~batchpilot.dist.gradsync` (deferred
 gradient averaging) and :mod:`~batchpilot.dist.fsdp` (FSDP2's ``FSDPCoordinator`` and
-``find_batch_size_fsdp``).
+``find_batch_size_fsdp``) and :mod:`~batchpilot.dist.front` (``find_batch_size_for`` with the search a
+sharded model needs: the package root's).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _LAZY = {
     "FSDPCoordinator": "fsdp",
     "CollectiveOOMError": "fsdp",
     "find_batch_size_fsdp": "fsdp",
+    "find_batch_size_for": "front",
 }
 
 __all__ = list(_LAZY)

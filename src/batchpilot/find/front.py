@@ -22,8 +22,7 @@ from ..core.batch import BatchLayout, SplitFn, batch_size_of, make_batch_fn, to_
 from ..core.compiled import is_compiled, mark_batch_dynamic
 from ..core.loss import LossFn, as_loss_fn, forward_only, parse_loss
 from ..core.model import model_device
-from ..core.ranks import group_size
-from ..core.sharding import is_fsdp
+from ..core.sharding import sharded_over_ranks
 from ..memory.gauge import gauge_for
 from ..memory.probes import EMULATED_DEVICES, emulated_capacity
 from ..memory.tracker import view_extent
@@ -114,7 +113,9 @@ def find_batch_size_for(
 
     Raises:
         ValueError: unknown mode, training without an optimizer or loss, a criterion with
-            ``reduction='none'``, or an example batch the rules cannot read.
+            ``reduction='none'``, an example batch the rules cannot read, or a model sharded over
+            several ranks without ``search=`` (:func:`batchpilot.find_batch_size_for` picks the
+            lockstep search for it).
         BatchSizeError: as :func:`find_batch_size` (an unknown option among them, before any work),
             or ``plan_first`` with a ``first_guess``.
         NothingFitsError: as :func:`find_batch_size`.
@@ -133,8 +134,7 @@ def find_batch_size_for(
             shared=shared, split_fn=split_fn, search=search, device=device,
             options=FindOptions.build(user, objective=user.objective or _DEFAULT_OBJECTIVE[mode]),
         )
-    sharded = search is None and _sharded_over_ranks(model)
-    search = _lockstep_search_or_fail() if sharded else search
+    sharded = _sharded_with_search(model, search)
     dtype = _amp_dtype(amp)
     _check_training(mode, optimizer, loss_fn)
     loss = as_loss_fn(loss_fn) if loss_fn is not None else None
@@ -214,31 +214,21 @@ def _run_as(model: nn.Module, mode: str, search: Callable[..., BatchPlan], step:
             m.training = flag
 
 
-#: ``() -> search`` for a model sharded over several ranks: the package root sets it to
-#: :func:`batchpilot.dist.fsdp.find_batch_size_fsdp`, a layer above this one (``set_lockstep_search``)
-_lockstep_search: Callable[[], Callable[..., BatchPlan]] | None = None
+def _sharded_with_search(model: nn.Module, search: Callable[..., BatchPlan] | None) -> bool:
+    """Whether ``model`` is sharded over several ranks; such a model needs a lockstep ``search``.
 
-
-def set_lockstep_search(provider: Callable[[], Callable[..., BatchPlan]]) -> None:
-    """Where :func:`find_batch_size_for` gets its search for a ``fully_shard`` model over several ranks."""
-    global _lockstep_search
-    _lockstep_search = provider
-
-
-def _lockstep_search_or_fail() -> Callable[..., BatchPlan]:
-    """The search for a model sharded over several ranks: every rank runs the same trials (an OOM in one
-    rank's trial would leave the others waiting in a collective)."""
-    if _lockstep_search is None:
+    Raises:
+        ValueError: a sharded model without ``search=``: the lockstep search lives in ``dist``, a
+            layer above this one, which :func:`batchpilot.find_batch_size_for` picks it from.
+    """
+    sharded = sharded_over_ranks(model)
+    if sharded and search is None:
         raise ValueError(
             "the model is sharded with fully_shard over several ranks, whose trials must run in lockstep: "
-            "pass search=batchpilot.dist.fsdp.find_batch_size_fsdp"
+            "call batchpilot.find_batch_size_for (it picks the lockstep search), or pass "
+            "search=batchpilot.dist.fsdp.find_batch_size_fsdp"
         )
-    return _lockstep_search()
-
-
-def _sharded_over_ranks(model: nn.Module) -> bool:
-    """A ``fully_shard`` (FSDP2) model in a process group of more than one rank."""
-    return group_size() > 1 and is_fsdp(model)
+    return sharded
 
 
 def _train_step(

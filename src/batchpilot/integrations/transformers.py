@@ -27,7 +27,7 @@ from torch import nn
 
 from ..core.batch import BatchLayout, SplitFn, batch_size_of
 from ..dist.distributed import find_batch_size_distributed
-from ..find.front import find_batch_size_for
+from ..dist.front import find_batch_size_for
 from ..find.options import FindOptions
 from ..memory.oom import attempt, free_memory
 from ..policy.microbatch import accum_steps, balanced_sizes

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...find.front import find_batch_size_for
+from ...dist.front import find_batch_size_for
 from ...memory.units import format_bytes
 from .. import report
 from .common import (
