@@ -68,3 +68,12 @@ def test_resnet50_is_built_in():
     assert w.input_shape == (3, 224, 224)
     model = w.build_model()
     assert sum(p.numel() for p in model.parameters()) == 23_528_522  # ResNet-50 with a 10-class head
+
+
+def test_a_plan_stopped_by_the_search_cap_says_so_not_memory(cli):
+    status, out, err = cli("plan", "--model", "mlp", "--capacity", "1GiB", "--max-batch-size", "64")
+    assert status == 0, err
+    assert "batch size: 64, the planner's search cap, not memory: pass --max-batch-size larger than 64" in out
+    status, out, err = cli("plan", "--model", "mlp", "--capacity", "1GiB", "--max-batch-size", "64", "--json")
+    assert status == 0, err
+    assert json.loads(out)["stopped_by"] == "max_batch_size"

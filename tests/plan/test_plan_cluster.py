@@ -84,3 +84,24 @@ def test_refusals(mlp):
         plan_batch_size(model, sample, capacity=["8MiB", "2MiB"], speeds=[1, 1], world_size=4)
     with pytest.raises(NothingFitsError, match="rank 1"):
         plan_batch_size(model, sample, optimizer=adam, capacity=["32MiB", "2MiB"], speeds=[1, 1])
+
+
+def test_the_table_keeps_wide_values_apart_and_marks_a_rank_stopped_by_the_search_cap(mlp):
+    model, sample = mlp
+    plan = plan_batch_size(model, sample, optimizer=adam, capacity=["32MiB", "8MiB"], speeds=[154.8, 53.8],
+                           global_batch_size=10_000_000, max_batch_size=2000)
+    capped, full = plan.ranks
+    assert capped.plan.stopped_by == "max_batch_size" and capped.max_micro_batch == 2000
+    assert full.plan.stopped_by == "memory" and full.max_micro_batch < 2000
+    assert [r["stopped_by"] for r in plan.to_dict()["ranks"]] == ["max_batch_size", "memory"]
+    text = plan.describe()
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    # rank, gpu (two words: a size), max micro, speed, share, micro, "x", accumulation, time: none run together
+    assert [(r[3], r[4], r[5], r[8]) for r in rows] == [
+        ("2000*", "154.8", str(capped.share), str(capped.accumulation)),
+        (str(full.max_micro_batch), "53.8", str(full.share), str(full.accumulation))]
+    assert len(str(capped.share)) == 7
+    assert "search cap max_batch_size=2000, not memory" in text
+    alone = plan_batch_size(model, sample, optimizer=adam, capacity="32MiB", max_batch_size=2000)
+    assert alone.stopped_by == "max_batch_size" and alone.to_dict()["stopped_by"] == "max_batch_size"
+    assert "search cap max_batch_size=2000, not memory" in alone.describe()

@@ -69,6 +69,8 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
     batch_size                the largest batch whose required bytes <= limit_bytes
                               (required: reserved + context on CUDA, tensor bytes on CPU);
                               sharded: the batch of one rank
+    stopped_by                "memory" (batch_size + 1 is over the limit) | "max_batch_size" (the
+                              search cap stopped it under the limit: memory may hold more)
     estimate                  at batch_size: {peak_bytes, parameters, buffers, inputs,
                                 gradients, optimizer_state, activations, unsharded_parameters,
                                 communication, allocated_bytes, reserved_bytes,
@@ -86,7 +88,8 @@ are never renamed or removed without a version bump. Sizes are bytes, times seco
                                 speedup (predicted step time of equal shares over these, by the same
                                 speeds), evaluations (fake steps run), seconds,
                                 ranks [{rank, gpu, capacity_bytes, limit_bytes, share, micro_batch_size,
-                                accumulation, max_micro_batch_size (its memory's), speed, time (its
+                                accumulation, max_micro_batch_size (its memory's, or the search
+                                cap), stopped_by ("memory" | "max_batch_size"), speed, time (its
                                 share / speed over the slowest rank's), required_bytes (at
                                 max_micro_batch_size)}]} (the other keys: the GPU with the smallest
                                 batch) | null
@@ -188,14 +191,14 @@ _LENGTH_KEYS = frozenset({"per_length", "length_fit", "fitted_lengths"})
 SCHEMAS: dict[str, frozenset[str]] = {
     "find": _JOB_KEYS | _PLAN_KEYS | _LENGTH_KEYS | {"device"},
     "plan": _JOB_KEYS | _LENGTH_KEYS | {
-        "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "estimate",
+        "gpu", "device", "target", "capacity_bytes", "limit_bytes", "batch_size", "stopped_by", "estimate",
         "next_required_bytes", "evaluations", "seconds", "world_size", "sharding", "generation", "cluster",
     },
     #: a list of GPUs: each rank's share of one global batch (null otherwise)
     "plan.cluster": frozenset({"global_batch_size", "speeds_from", "target", "device", "speedup", "evaluations",
                                "seconds", "ranks"}),
     "plan.cluster.rank": frozenset({"rank", "gpu", "capacity_bytes", "limit_bytes", "share", "micro_batch_size",
-                                    "accumulation", "max_micro_batch_size", "speed", "time", "required_bytes"}),
+                                    "accumulation", "max_micro_batch_size", "stopped_by", "speed", "time", "required_bytes"}),
     #: ``--prompt-lens`` / ``--new-tokens``: generate()'s table (null without them)
     "plan.generation": frozenset({"prompt_lengths", "new_tokens", "rows", "seconds"}),
     "plan.generation.row": frozenset({"prompt_length", "new_tokens", "batch_size", "limited_by",

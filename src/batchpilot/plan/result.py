@@ -73,7 +73,8 @@ class PlanResult:
     ``batch_size`` is 0 when even a batch of one does not fit. ``estimate``
     is the estimate at ``batch_size`` and ``next_estimate`` the one at
     ``batch_size + 1`` (``None`` past ``max_batch_size``); ``evaluations``
-    maps every batch size tried to its ``required_bytes``.
+    maps every batch size tried to its ``required_bytes``. :attr:`stopped_by` says whether
+    memory or the search cap ``max_batch_size`` ended the search.
     """
 
     batch_size: int
@@ -89,11 +90,19 @@ class PlanResult:
     world_size: int = 1
     sharding: str | None = None
 
+    @property
+    def stopped_by(self) -> str:
+        """``"memory"``: ``batch_size + 1`` is over the limit (or not even 1 fits); ``"max_batch_size"``:
+        ``batch_size`` is the search cap, and memory may hold more."""
+        return "max_batch_size" if self.batch_size > 0 and self.next_estimate is None else "memory"
+
     def describe(self) -> str:
         """A few lines: the answer, the limit, the make-up of its peak, the next size, what would raise it (``str()``)."""
         where = self.device + (f" ({self.gpu})" if self.gpu else "")
         ranks = "" if self.world_size == 1 else f", {self.world_size} ranks ({self.sharding or 'replicated'})"
-        lines = [f"batch size {self.batch_size} on {where}{ranks}: planned on fake tensors, nothing ran",
+        capped = (f" (the planner's search cap max_batch_size={self.batch_size}, not memory)"
+                  if self.stopped_by == "max_batch_size" else "")
+        lines = [f"batch size {self.batch_size} on {where}{ranks}{capped}: planned on fake tensors, nothing ran",
                  f"  limit {format_bytes(self.limit)} of "
                  + ("the reserved peak plus the CUDA context" if self.device.startswith("cuda") else "tensor bytes")
                  + f": {self.target:.0%} of {format_bytes(self.capacity)}"]
@@ -112,8 +121,9 @@ class PlanResult:
             lines.append(f"  model: {format_bytes(e.required_bytes - per * e.batch_size)} + {format_bytes(per)} "
                          "per sample (between the last two sizes)")
         lines.append(f"  search: {len(self.evaluations)} sizes evaluated, no OOM possible, {self.seconds:.2f}s")
-        if n is None and self.batch_size > 0:
-            lines.append("  to raise it: max_batch_size stopped it")
+        if self.stopped_by == "max_batch_size":
+            lines.append(f"  to raise it: the search stopped at max_batch_size={self.batch_size}, under the limit; "
+                         "pass a larger max_batch_size to search further")
         else:
             lines.append("  to raise it: a larger target or capacity; less memory per sample (mixed precision, "
                          "activation checkpointing)" + ("; more ranks to shard over" if self.sharding else ""))
@@ -128,6 +138,7 @@ class PlanResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["stopped_by"] = self.stopped_by
         d["estimate"] = self.estimate.to_dict() if self.estimate else None
         d["next_estimate"] = self.next_estimate.to_dict() if self.next_estimate else None
         return d
@@ -145,7 +156,8 @@ class RankPlan(RankShare):
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "gpu": self.gpu, "capacity_bytes": self.capacity, "limit_bytes": self.plan.limit,
                 "share": self.share, "micro_batch_size": self.micro_batch, "accumulation": self.accumulation,
-                "max_micro_batch_size": self.max_micro_batch, "speed": self.speed, "time": self.time,
+                "max_micro_batch_size": self.max_micro_batch, "stopped_by": self.plan.stopped_by,
+                "speed": self.speed, "time": self.time,
                 "required_bytes": self.plan.estimate.required_bytes if self.plan.estimate else None}
 
 
@@ -196,18 +208,28 @@ class ClusterPlanResult:
         names = Counter(r.gpu or format_bytes(r.capacity) for r in self.ranks)
         mix = ", ".join(f"{k} x {v}" if v > 1 else k for k, v in names.items())
         lines = [f"global batch {self.global_batch_size} over {len(self.ranks)} ranks ({mix}): planned on fake "
-                 "tensors, nothing ran",
-                 f"  {'rank':<5}{'gpu':<18}{'max micro':>10}{'speed':>9}{'share':>7}{'micro x accum':>15}{'time':>6}"]
-        for r in self.ranks:
-            where = r.gpu or format_bytes(r.capacity)
-            lines.append(f"  {r.rank:<5}{where:<18}{r.max_micro_batch:>10}{r.speed:>9.4g}{r.share:>7}"
-                         f"{f'{r.micro_batch} x {r.accumulation}':>15}{r.time:>6.2f}")
+                 "tensors, nothing ran"]
+        head = ("rank", "gpu", "max micro", "speed", "share", "micro x accum", "time")
+        rows = [(str(r.rank), r.gpu or format_bytes(r.capacity),
+                 f"{r.max_micro_batch}{'*' if r.plan.stopped_by == 'max_batch_size' else ''}", f"{r.speed:.4g}",
+                 str(r.share), f"{r.micro_batch} x {r.accumulation}", f"{r.time:.2f}") for r in self.ranks]
+        # widths from the values, two spaces between columns: a long number never runs into its neighbour
+        widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+        for row in (head, *rows):
+            cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            lines.append("  " + "  ".join(cells).rstrip())
         source = {"table": "the GPU table's peak dense FP16 tensor TFLOPS (vendor data sheets)",
                   "given": "the speeds given"}.get(self.speeds_from, self.speeds_from)
-        lines.append(f"  shares proportional to {source}; max micro: the largest batch under "
-                     f"{self.target:.0%} of each GPU's memory; one optimizer step per global batch on every rank")
+        capped = [r for r in self.ranks if r.plan.stopped_by == "max_batch_size"]
+        micro = f"max micro: the largest batch under {self.target:.0%} of each GPU's memory"
+        if capped:
+            micro = (f"{micro}, or * the planner's search cap max_batch_size={capped[0].max_micro_batch}, not "
+                     "memory (pass a larger max_batch_size to search further)")
+        lines.append(f"  shares proportional to {source}; {micro}; one optimizer step per global batch on every rank")
+        at_cap = any(r.max_micro_batch == self.equal_share_micro_batch for r in capped)
+        fits = "takes (the search cap)" if at_cap else "fits"
         lines.append(f"  equal shares would give every rank {self.global_batch_size / len(self.ranks):g} samples "
-                     f"(the smallest GPU fits {self.equal_share_micro_batch} per micro-batch): these shares "
+                     f"(the smallest GPU {fits} {self.equal_share_micro_batch} per micro-batch): these shares "
                      f"are {self.speedup:.2f}x faster by the same speeds")
         lines.append(f"  search: {self.evaluations} fake steps for {len(names)} kinds of GPU, {self.seconds:.2f}s")
         lines.append("  to change it: speeds= (measured samples/s per rank) for a split closer to the real one; "

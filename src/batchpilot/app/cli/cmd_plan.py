@@ -106,6 +106,7 @@ def plan_document(workload: Workload, result: PlanResult, lengths: LengthPlanRes
         "world_size": result.world_size,
         "sharding": result.sharding,
         "batch_size": result.batch_size,
+        "stopped_by": result.stopped_by,
         "estimate": None if est is None else {
             "peak_bytes": est.peak_bytes,
             **{k: getattr(est, k) for k in _BREAKDOWN},
@@ -150,6 +151,9 @@ def _human(doc: dict[str, Any]) -> str:
     elif doc["per_length"] is not None:
         lines += ["", report.lengths_table(doc)]
         per += f" at the longest length, {doc['input_shape'][0]}"
+    if doc["stopped_by"] == "max_batch_size":
+        per += (f", the planner's search cap, not memory: pass --max-batch-size larger than {doc['batch_size']} "
+                "to search further")
     lines += [
         "",
         f"batch size: {doc['batch_size']}{per}  (limit {format_bytes(doc['limit_bytes'])} = "
