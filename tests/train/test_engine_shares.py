@@ -26,7 +26,8 @@ def _engine(**kwargs) -> Engine:
     (dict(shares="auto", noise=True), "shares= with noise= is not supported: .*use noise=False"),
     (dict(shares=[8], lengths=True), "shares= with lengths= is not supported"),
     (dict(shares="even"), 'shares must be "auto" or one positive int per rank'),
-    (dict(shares=[4, 4]), r"one positive int per rank \(1 ranks\)"),
+    (dict(shares=[3, 1]), r"shares=\[3, 1\] splits the global batch over 2 ranks, but this process is a world of "
+                          r"one \(world size 1\): uneven shares need a process group of several ranks"),
 ])
 def test_the_engine_refuses_what_shares_do_not_combine_with_saying_how(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):

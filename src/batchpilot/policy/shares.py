@@ -231,6 +231,13 @@ def check_shares(shares: Sequence[int], total: int, world: int) -> tuple[int, ..
         ValueError: not one positive int per rank, or ``total`` below one sample per rank.
     """
     items = list(shares)
+    if len(items) != world and world == 1:
+        raise ValueError(
+            f"shares={items!r} splits the global batch over {len(items)} ranks, but this process is a world of "
+            "one (world size 1): uneven shares need a process group of several ranks (e.g. torchrun "
+            f"--nproc-per-node={len(items) if len(items) > 1 else 2}, one share per rank); in a single process "
+            "leave shares out (its one rank takes the whole global batch)"
+        )
     if len(items) != world or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in items):
         raise ValueError(
             f"shares must be one positive int per rank ({world} ranks), got {items!r}: e.g. shares=[3, 1] "
