@@ -343,9 +343,12 @@ def _answer(trials: list[Trial], largest: int | None, stop_reason: str, cfg: Fin
         return None, ""
     memory = f"the largest that fits ({stop_reason})"
     if stop_reason == "plateau":
-        top = max(t.batch_size for t in trials if t.fits)
-        memory = (f"memory did not grow past {largest} (the same peak up to {top}, the largest tried): "
-                  "set max_batch_size")
+        fits = [t.batch_size for t in trials if t.fits]
+        # the level is known to start after the last fit below it, not at the smallest size seen on it
+        below = max((b for b in fits if b < largest), default=0)
+        memory = (f"memory stopped growing somewhere between {below} and {largest} (the same peak from {largest} "
+                  f"up to {max(fits)}, the largest tried; does the step read fewer samples than it is asked for?): "
+                  "set max_batch_size (e.g. your dataset's length)")
     if cfg.objective == "memory":
         return largest, memory
     decision = decide_throughput(rounds, cfg.speed_tolerance) if rounds else None
