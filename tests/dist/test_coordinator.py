@@ -31,18 +31,27 @@ def _protocol_members() -> set[str]:
 
 
 def _is_coordinator(node: ast.AST, aliases: set[str]) -> bool:
-    """``self.coordinator`` (also ``engine.coordinator``), a parameter named ``coordinator``, or a local name bound
-    to it."""
-    if isinstance(node, ast.Attribute) and node.attr == "coordinator":
+    """``self.coordinator`` (also ``engine.coordinator``), a parameter named ``coordinator``, or a local name
+    or an attribute bound to it."""
+    if isinstance(node, ast.Attribute) and (node.attr == "coordinator" or f".{node.attr}" in aliases):
         return True
     return isinstance(node, ast.Name) and (node.id == "coordinator" or node.id in aliases)
+
+
+def _binds_coordinator(value: ast.AST) -> bool:
+    """The coordinator, or a choice one of whose branches is it (``c if even else OwnSizes(c)``: a view
+    of the coordinator that the engine calls in its place)."""
+    if isinstance(value, ast.IfExp):
+        return _binds_coordinator(value.body) or _binds_coordinator(value.orelse)
+    return _is_coordinator(value, set())
 
 
 def _uses(source: str) -> tuple[dict[str, list[int]], list[int]]:
     """``{member: lines}`` the source uses on its coordinator, and the lines probing it with getattr/hasattr."""
     tree = ast.parse(source)
-    aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and _is_coordinator(node.value, set())
-               for t in node.targets if isinstance(t, ast.Name)}
+    aliases = {t.id if isinstance(t, ast.Name) else f".{t.attr}" for node in ast.walk(tree)
+               if isinstance(node, ast.Assign) and _binds_coordinator(node.value)
+               for t in node.targets if isinstance(t, (ast.Name, ast.Attribute))}
     used: dict[str, list[int]] = {}
     probes = []
     for node in ast.walk(tree):
@@ -60,6 +69,13 @@ def test_the_scan_sees_uses_aliases_and_probes():
             "def g(coordinator):\n    return hasattr(coordinator, 'sum_over_ranks') and coordinator.group\n")
     used, probes = _uses(code)
     assert used == {"agree": [2], "total_count": [4], "group": [8]} and probes == [5, 6, 8]
+
+
+def test_the_scan_sees_a_view_of_the_coordinator_the_engine_calls_in_its_place():
+    code = ("def f(self):\n    view = self.by = self.coordinator if even else Own(self.coordinator)\n"
+            "    self.by.find_batch_size(1)\n    view.agree(2)\n    self.other.x\n")
+    used, _ = _uses(code)
+    assert used["find_batch_size"] == [3] and used["agree"] == [4] and "x" not in used
 
 
 def test_every_member_the_engine_uses_is_declared_by_the_protocol():

