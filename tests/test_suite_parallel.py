@@ -70,3 +70,13 @@ def test_make_tests_workers_set_a_module_scoped_fixture_up_once(tmp_path):
 @pytest.mark.skipif(xdist_thread_share() is None, reason="only on a pytest-xdist worker (make test)")
 def test_an_xdist_worker_runs_torch_on_its_share_of_the_cores():
     assert torch.get_num_threads() == xdist_thread_share()
+
+
+def test_no_two_test_modules_share_a_name():
+    # the test directories are not packages: pytest imports each module by its base name, and a
+    # second module of the same name stops the collection of the whole suite ("import file mismatch")
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1 and name not in ("__init__.py", "conftest.py")}
+    assert not shared, f"rename one of each: {shared}"
