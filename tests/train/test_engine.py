@@ -539,6 +539,7 @@ def test_a_version_2_state_resumes_as_it_was_saved(monkeypatch):
     # the same run: every counter and the micro-batch; the fit's figures are bytes as this
     # version counts them (the global batch is host data, charged by the micro-batches read)
     saved = _as_version_4(STATE_V2)
+    assert eng.state_dict()["micro_batch"]["fit"] == {"increase": [[32, 30648], [16, 22328]], "prior": None}
     now = {**eng.state_dict(), "micro_batch": {**eng.state_dict()["micro_batch"], "fit": saved["micro_batch"]["fit"]}}
     assert now == saved
 
