@@ -264,6 +264,16 @@ def test_noise_rules_prints_the_before_and_after_table(tmp_path):
     assert quiet["before_median"] == quiet["after_median"]  # a quiet clock: both rules answer the knee
 
 
+@pytest.mark.bench
+def test_shares_sim_prints_every_pattern_and_writes_its_rows(tmp_path):
+    out = tmp_path / "shares.json"
+    proc = run_script("shares_sim.py", "--seeds", "3", "--steps", "80", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["pattern"] for r in rows] == ["alike-iid", "alike-dwell", "load-leaves", "slower", "slower-dwell"]
+    assert all(r["worst"] <= r["mean"] <= r["best"] for r in rows)
+    assert "load-leaves" in proc.stdout and "uneven at end" in proc.stdout
+
+
 def test_geometric_sweep_sizes():
     import speed
 

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from batchpilot.policy.shares import (
+    shrunk_rates,
     ShareBalancer, balanced_total, check_shares, check_speeds, equal_shares, rank_shares, split_shares, step_seconds,
 )
 
@@ -192,8 +193,14 @@ def test_alike_ranks_on_a_noisy_clock_never_end_slower_than_equal_shares():
 def test_a_truly_slower_rank_still_moves_on_a_noisy_clock_and_stays():
     for seed in range(20):
         equal, _, _ = _noisy_run(seed, (200.0, 100.0), None)
-        auto, shares, _ = _noisy_run(seed, (200.0, 100.0), ShareBalancer())
-        assert 38 <= shares[0] <= 50, (seed, shares)  # moved towards 43:21 (proportional) and kept
+        balancer = ShareBalancer()
+        auto, shares, moved_at = _noisy_run(seed, (200.0, 100.0), balancer)
+        if moved_at >= 200 - 3 * 8 and not 38 <= shares[0] <= 50:
+            # a move in the last three windows may still be on trial when the run ends: the shares it
+            # left were in range, and the real steps at the new ones would send it back
+            assert balancer.on_trial is not None and 38 <= balancer.on_trial[0] <= 50, (seed, shares)
+        else:
+            assert 38 <= shares[0] <= 50, (seed, shares)  # moved towards 43:21 (proportional) and kept
         assert equal / auto > 1.1, seed
 
 
@@ -213,6 +220,51 @@ def test_a_move_the_real_steps_do_not_confirm_is_reverted_and_held_until_reset()
     # a change of memory (reset) measures anew
     balancer.reset()
     assert not balancer.held and _feed(balancer, (16, 16), (300.0, 100.0), 8).changed
+
+
+def test_a_hold_ends_after_its_windows_and_doubles_with_each_revert_in_a_row():
+    balancer = ShareBalancer(window=4, skip=0, hold=2)
+    assert _feed(balancer, (16, 16), (200.0, 100.0), 8).shares == (22, 10)
+    back = _feed(balancer, (22, 10), (100.0, 200.0), 4)
+    assert back.shares == (16, 16) and "held for 2 windows (8 steps)" in back.reason
+    assert "held" in _feed(balancer, (16, 16), (200.0, 100.0), 7).reason and balancer.held
+    # the eighth step ends the hold and is the first of a new window: rank 1 still at half speed
+    assert not _feed(balancer, (16, 16), (200.0, 100.0), 1).changed and not balancer.held
+    assert balancer.measured == 1
+    moved = _feed(balancer, (16, 16), (200.0, 100.0), 7)
+    assert moved.changed and moved.shares == (22, 10) and balancer.on_trial == (16, 16)
+    # reverted again: the hold doubles
+    again = _feed(balancer, (22, 10), (100.0, 200.0), 4)
+    assert again.shares == (16, 16) and "held for 4 windows (16 steps)" in again.reason
+    with pytest.raises(ValueError, match="hold must be an int >= 1"):
+        ShareBalancer(hold=0)
+
+
+def test_a_move_made_for_a_load_that_left_comes_back_to_equal_shares():
+    # rank 1 at half speed for a while: the shares move to 22:10 and the real steps confirm it
+    balancer = ShareBalancer(window=4, skip=0)
+    assert _feed(balancer, (16, 16), (200.0, 100.0), 8).shares == (22, 10)
+    assert not _feed(balancer, (22, 10), (200.0, 100.0), 4).changed and balancer.on_trial is None
+    # the load leaves: alike ranks, and the way back is toward equal shares
+    # (the rates are the median of every step at these shares: one window of each is a tie, a second
+    # at the new rates moves them)
+    assert not _feed(balancer, (22, 10), (200.0, 200.0), 4).changed
+    back = _feed(balancer, (22, 10), (200.0, 200.0), 4)
+    assert back.changed and back.shares == (16, 16), back.reason
+    # its check: steps at 16:16 cost 0.08 s against 0.11 s: kept, and nothing is held
+    kept = _feed(balancer, (16, 16), (200.0, 200.0), 4)
+    assert not kept.changed and not balancer.held and balancer.on_trial is None
+
+
+def test_rates_apart_by_their_noise_alone_are_shrunk_together_and_clear_ones_barely():
+    # two ranks 10% apart with a 10% standard error each: taken as alike
+    alike = shrunk_rates([110.0, 100.0], [0.1, 0.1])
+    assert alike[0] == pytest.approx(alike[1])
+    # 2x apart with the same error: nearly the whole ratio stays
+    apart = shrunk_rates([200.0, 100.0], [0.1, 0.1])
+    assert 1.9 < apart[0] / apart[1] < 2.0
+    # exact rates stay exact (no error: no shrinking, no rounding)
+    assert shrunk_rates([200.0, 100.0], [0.0, 0.0]) == (200.0, 100.0)
 
 
 def test_a_move_the_real_steps_confirm_is_kept_and_a_gain_within_the_noise_is_not_taken():

@@ -37,7 +37,7 @@ from .evidence import NOISE_Z
 from .microbatch import accum_steps
 
 __all__ = ["RankShare", "check_speeds", "split_shares", "balanced_total", "rank_shares", "step_seconds",
-           "check_shares", "equal_shares", "ShareBalancer", "ShareDecision"]
+           "check_shares", "equal_shares", "ShareBalancer", "ShareDecision", "shrunk_rates"]
 
 
 def check_speeds(speeds: Any, ranks: int | None = None, *, error: type[Exception] = ValueError) -> tuple[float, ...]:
@@ -295,9 +295,16 @@ class ShareBalancer:
       real steps, up to three, where one standard error suffices (a gain that holds over three
       windows is no chance, and a truly slower rank's real gain is smaller than predicted, a
       step being the larger of two scattered times). Otherwise the balancer goes back to the previous shares, says so
-      in the decision's reason, and holds them: it measures nothing more until :meth:`reset`
-      (an OOM or another change of memory, new shares set by hand), so the shares cannot
-      oscillate.
+      in the decision's reason, and holds them for ``hold`` windows, twice as long after each
+      further revert in a row (up to eight times), or until :meth:`reset` (an OOM or another
+      change of memory, new shares set by hand): the shares cannot oscillate, and a load that
+      was wrongly blamed on a rank, or that has since left, cannot hold them for the rest of the run.
+    * **Equal shares are the simple choice.** The split is made from the rates shrunk toward
+      their common mean by their standard errors (:func:`shrunk_rates`): rates that differ by
+      their noise alone split equally. A move toward equal shares (a smaller difference between
+      the largest and the smallest share) needs one standard error of predicted gain instead of
+      :data:`~batchpilot.policy.evidence.NOISE_Z`, and on the check it is kept unless its real
+      steps are slower by a standard error: a move made for a load that then left comes back.
 
     A move that the real steps confirm is kept, and the windows that confirmed it are the next
     decision's baseline.
@@ -307,15 +314,17 @@ class ShareBalancer:
         margin: fraction by which the predicted step time must fall to move the shares.
         skip: steps after each change whose times are left out (warm-up at the new sizes).
         minimum: the least share a rank may get.
+        hold: windows the shares stay put after a reverted move (doubled for each revert in a row).
 
     Raises:
-        ValueError: ``window`` < 3, ``margin`` outside [0, 1), ``skip`` < 0 or ``minimum`` < 1.
+        ValueError: ``window`` < 3, ``margin`` outside [0, 1), ``skip`` < 0, ``minimum`` < 1 or ``hold`` < 1.
     """
 
     window: int = 8
     margin: float = 0.05
     skip: int = 1
     minimum: int = 1
+    hold: int = 4
     _times: list[tuple[float, ...]] = field(default_factory=list, init=False, repr=False)
     _samples: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
     _skipped: int = field(default=0, init=False, repr=False)
@@ -324,8 +333,12 @@ class ShareBalancer:
                                                                                          repr=False)
     # after a reverted move: the reason the shares are held (nothing is measured until reset())
     _held: str | None = field(default=None, init=False, repr=False)
+    _held_for: int = field(default=0, init=False, repr=False)  # steps left in the hold
+    _reverts: int = field(default=0, init=False, repr=False)  # reverted moves in a row (each doubles the hold)
     # the slowest rank's seconds per step at the current shares, the last few windows (the check's baseline)
     _history: list[float] = field(default_factory=list, init=False, repr=False)
+    # every rank's samples/s in each of those steps (the rates a decision is taken from)
+    _rate_history: list[tuple[float, ...]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.window, int) and self.window >= 3):
@@ -336,6 +349,8 @@ class ShareBalancer:
             raise ValueError(f"skip must be an int >= 0, got {self.skip!r}")
         if not (isinstance(self.minimum, int) and self.minimum >= 1):
             raise ValueError(f"minimum must be an int >= 1, got {self.minimum!r}")
+        if not (isinstance(self.hold, int) and self.hold >= 1):
+            raise ValueError(f"hold must be an int >= 1 windows, got {self.hold!r}")
 
     @property
     def measured(self) -> int:
@@ -344,8 +359,13 @@ class ShareBalancer:
 
     @property
     def held(self) -> bool:
-        """A move was reverted: the shares stay as they are until :meth:`reset`."""
+        """A move was reverted: the shares stay as they are for ``hold`` windows (or until :meth:`reset`)."""
         return self._held is not None
+
+    @property
+    def on_trial(self) -> tuple[int, ...] | None:
+        """While a move is checked on the real steps after it: the shares it left; else ``None``."""
+        return None if self._check is None else self._check[0]
 
     def reset(self) -> None:
         """Start anew (a rank's memory or the shares changed from outside): a new window, no check, no hold."""
@@ -353,11 +373,18 @@ class ShareBalancer:
         self._skipped = 0
         self._check = None
         self._held = None
-        self._history.clear()
+        self._held_for = 0
+        self._reverts = 0
+        self._forget()
 
     def _restart(self) -> None:
         self._times.clear()
         self._samples.clear()
+
+    def _forget(self) -> None:
+        """The steps measured at the current shares no longer count (the shares or the load changed)."""
+        self._history.clear()
+        self._rate_history.clear()
 
     def observe(self, shares: Sequence[int], samples: Sequence[int], seconds: Sequence[float]) -> ShareDecision:
         """One step's per-rank ``samples`` and ``seconds`` at ``shares``; the shares of the next step.
@@ -367,10 +394,15 @@ class ShareBalancer:
         """
         current = tuple(int(s) for s in shares)
         if self._held is not None:
-            return ShareDecision(current, False, reason=self._held)
+            self._held_for -= 1
+            if self._held_for > 0:
+                return ShareDecision(current, False, reason=self._held)
+            self._held = None  # the hold is over: measure anew from here (the load may have moved)
+            self._forget()
+            self._skipped = 0
         if self._check is not None and self._check[1] != current:
             self._check = None  # the move was not taken up: nothing to check
-            self._history.clear()
+            self._forget()
             self._skipped = 0
         full = tuple(int(n) for n in samples) == current
         if not full or not all(t > 0 for t in seconds):
@@ -383,14 +415,19 @@ class ShareBalancer:
         if len(self._times) < self.window:
             return ShareDecision(current, False, reason=f"measuring ({len(self._times)} of {self.window} steps)")
         world = len(current)
-        per_step = [[s[r] / t[r] for s, t in zip(self._samples, self._times)] for r in range(world)]
-        rates = tuple(statistics.median(v) for v in per_step)
-        noise = NOISE_Z * math.sqrt(2.0) * max(_median_error(v) for v in per_step)
         steps = tuple(max(t) for t in self._times)
+        kept = _BASELINE_WINDOWS * self.window
+        self._rate_history = (self._rate_history + [tuple(s[r] / t[r] for r in range(world))
+                                                    for s, t in zip(self._samples, self._times)])[-kept:]
         self._restart()
-        # the baseline is every step at these shares of the last few windows, not only the one that
-        # moves them: a window picked for looking lopsided is slower than usual by that choice alone
-        self._history = (self._history + list(steps))[-_BASELINE_WINDOWS * self.window:]
+        # the rates, like the baseline, from every step at these shares of the last few windows, not
+        # only the window that would move them: a window picked for looking lopsided is slower than
+        # usual by that choice alone, and more steps make a smaller noise a move has to beat
+        per_step = [[v[r] for v in self._rate_history] for r in range(world)]
+        rates = tuple(statistics.median(v) for v in per_step)
+        errors = tuple(_median_error(v) for v in per_step)
+        noise = NOISE_Z * math.sqrt(2.0) * max(errors)
+        self._history = (self._history + list(steps))[-kept:]
         note = ""
         if self._check is not None:
             before_shares, moved, before = self._check
@@ -402,22 +439,35 @@ class ShareBalancer:
             # that long is no chance, and a truly slower rank's gain is cut by its max of two scatters
             bound = max((_LAST_Z if last else NOISE_Z) * error, floor)
             gain = math.log(then / now)
-            if floor < gain <= bound and not last:
-                # faster, but not yet beyond the noise: more real steps tell
+            if (gain > floor or gain > -NOISE_Z * error) and gain <= bound and not last:
+                # faster, but not yet beyond the noise, or slower within it: more real steps tell (a
+                # real gain that one window of scattered steps happened to hide is not thrown away)
                 return ShareDecision(current, False, rates, step_seconds(current, rates),
                                      f"shares {list(current)} on trial: {now:.4g} s against {then:.4g} s before the "
                                      f"move over {len(after)} steps, within the noise of {1 - math.exp(-bound):.1%}")
             self._check = None
-            if not gain > bound:
-                self._held = (f"shares {list(before_shares)} held after the move to {list(moved)} was reverted; "
-                              "measured anew after a change of memory")
+            simpler = _unevenness(moved) < _unevenness(before_shares)
+            if not gain > bound and simpler and gain >= -_TOWARD_EQUAL_Z * error:
+                # closer to equal shares and not slower by a standard error: the simpler split stays
+                # (equal shares are what the ranks start from, and need no evidence to hold)
+                self._reverts = 0
+                note = (f"; the move to {list(moved)} kept: closer to equal shares and not slower beyond the noise "
+                        f"({now:.4g} s against {then:.4g} s)")
+            elif not gain > bound:
+                self._reverts += 1
+                windows = self.hold * 2 ** min(self._reverts - 1, _HOLD_DOUBLINGS)
+                self._held_for = windows * self.window
+                self._held = (f"shares {list(before_shares)} held after the move to {list(moved)} was reverted, "
+                              f"for {windows} windows ({self._held_for} steps) or until a change of memory")
                 return ShareDecision(
                     before_shares, True, rates, step_seconds(before_shares, rates),
                     f"shares {list(moved)} -> {list(before_shares)}: the move to {list(moved)} was not faster on real "
                     f"steps: {now:.4g} s against {then:.4g} s over {len(after)} steps (needed {1 - math.exp(-bound):.1%} "
-                    f"less); held until a change of memory")
-            note = f"; the move to {list(moved)} was faster on real steps: {now:.4g} s against {then:.4g} s"
-        decision = self.decide(current, rates, noise=noise)
+                    f"less); held for {windows} windows ({self._held_for} steps) or until a change of memory")
+            else:
+                self._reverts = 0
+                note = f"; the move to {list(moved)} was faster on real steps: {now:.4g} s against {then:.4g} s"
+        decision = self.decide(current, rates, noise=noise, errors=errors)
         if decision.changed and len(self._history) < _BASELINE_LEAST * self.window:
             # the check needs a baseline it can tell a real gain from: one more window first
             return ShareDecision(current, False, rates, step_seconds(current, rates),
@@ -425,33 +475,43 @@ class ShareBalancer:
                                  f"(would move to {list(decision.shares)})")
         if decision.changed:
             self._check = (current, decision.shares, tuple(self._history))
-            self._history = []
+            self._forget()
             self._skipped = 0  # warm-up at the new shares
         elif note:
             decision = replace(decision, reason=decision.reason + note)
         return decision
 
-    def decide(self, current: Sequence[int], rates: Sequence[float], *, noise: float = 0.0) -> ShareDecision:
+    def decide(self, current: Sequence[int], rates: Sequence[float], *, noise: float = 0.0,
+               errors: Sequence[float] | None = None) -> ShareDecision:
         """The shares for per-rank ``rates`` (samples/s), or ``current`` when they are not clearly faster.
 
         ``noise``: how far (in log) the predicted step time's fall must go beyond chance, on top of
-        ``margin`` (0: rates taken as exact).
+        ``margin`` (0: rates taken as exact). ``errors``: each rate's standard error (in log); the
+        split is made from the rates shrunk toward their common mean by what the errors leave
+        unexplained (:func:`shrunk_rates`), so that ranks whose rates differ by their noise
+        alone get equal shares, not a split that follows the noise.
         """
         current = tuple(int(s) for s in current)
         total = sum(current)
+        measured = tuple(float(r) for r in rates)  # what the decision reports
+        if errors is not None:
+            rates = shrunk_rates(rates, errors)
         proposal = tuple(split_shares(total, list(rates), floors=[self.minimum] * len(current)))
         now = max(s / r for s, r in zip(current, rates))
         then = max(s / r for s, r in zip(proposal, rates))
-        rates_text = ", ".join(f"{r:.4g}" for r in rates)
+        rates_text = ", ".join(f"{r:.4g}" for r in measured)
+        if _unevenness(proposal) < _unevenness(current):
+            # toward equal shares, the split the ranks start from: the simpler choice needs less evidence
+            noise *= _TOWARD_EQUAL_Z / NOISE_Z
         needed = max(-math.log(1 - self.margin), noise)
         if proposal != current and math.log(now / then) > needed:
-            return ShareDecision(proposal, True, tuple(rates), then,
+            return ShareDecision(proposal, True, measured, then,
                                  f"shares {list(current)} -> {list(proposal)}: samples/s per rank {rates_text}, "
                                  f"predicted step {now:.4g}s -> {then:.4g}s")
         why = "" if proposal == current or now <= then else (
             f" (predicted {now:.4g}s -> {then:.4g}s at {list(proposal)}, within "
             f"{'the noise' if noise > -math.log(1 - self.margin) else 'the margin'} of {1 - math.exp(-needed):.1%})")
-        return ShareDecision(current, False, tuple(rates), now,
+        return ShareDecision(current, False, measured, now,
                              f"shares {list(current)} kept: samples/s per rank {rates_text}{why}")
 
 
@@ -463,6 +523,40 @@ _BASELINE_LEAST = 2
 _CHECK_WINDOWS = 3
 #: standard errors the real gain must exceed at the check's last look
 _LAST_Z = 1.0
+#: standard errors a predicted gain must exceed when it moves the shares toward equal
+_TOWARD_EQUAL_Z = 1.0
+#: a hold doubles with each reverted move in a row, this many times at most
+_HOLD_DOUBLINGS = 3
+
+
+def _unevenness(shares: Sequence[int]) -> int:
+    """How far ``shares`` are from equal shares of the same total: the largest difference of two ranks."""
+    return max(shares) - min(shares)
+
+
+def shrunk_rates(rates: Sequence[float], errors: Sequence[float]) -> tuple[float, ...]:
+    """``rates`` with each one's distance from their (geometric) mean shrunk by its noise.
+
+    Rank ``r``'s log rate is moved toward the mean log rate by the factor ``max(0, 1 - v_r /
+    d_r^2)``, ``d_r`` its distance from the mean and ``v_r`` that distance's variance from the
+    ranks' standard errors (positive-part James-Stein, one rank at a time): a distance no
+    larger than the noise is taken as none, one many times the noise almost whole. Split by the
+    raw medians, alike ranks on a busy machine get a split that follows whichever rank's window
+    happened to be slower (an unbiased but noisy estimate: half the time on the wrong side);
+    shrunk, they stay together, and a truly slower rank still gets most of its share.
+    """
+    logs = [math.log(r) for r in rates]
+    mid = statistics.fmean(logs)
+    n, pooled = len(logs), sum(e * e for e in errors)
+    out = []
+    for r, v, e in zip(rates, logs, errors):
+        d = v - mid
+        # the variance of a rank's distance from the mean of n log rates (its own error and, through
+        # the mean, everyone's): two ranks' distance is half their difference
+        var = e * e * (1 - 2 / n) + pooled / (n * n)
+        factor = max(0.0, 1.0 - var / (d * d)) if d else 0.0
+        out.append(float(r) if e == 0 else math.exp(mid + factor * d))  # exact rates stay exact
+    return tuple(out)
 
 
 def _median_error(*groups: Sequence[float]) -> float:
