@@ -216,7 +216,8 @@ class Search:
             return found
         return dataclasses.replace(
             found, batch_size=checked.batch_size, largest=checked.batch_size, stop_reason="verification",
-            reason="the largest that ran again after the search's last OOM" if checked.batch_size is not None else "")
+            reason=("the largest that ran again after the search (its answer no longer fitted in the state the "
+                    "search left)") if checked.batch_size is not None else "")
 
     def search(self) -> SearchResult:
         """:func:`run_search` with the policy; started over (``max_trials`` in all) when a trial changes the program."""
@@ -285,7 +286,8 @@ class Search:
         """The answer as a :class:`BatchPlan`, logged once; or the error that nothing fits."""
         cfg, space, result, trials = self.cfg, self.space, found.result, list(self.runner.done)
         if found.batch_size is None:
-            raise _nothing_fits(trials, space, self.device, "nothing_fits" if self.verified else result.stop_reason)
+            raise _nothing_fits(trials, space, self.device, "nothing_fits" if self.verified else result.stop_reason,
+                                target=cfg.target, base=self.base)
         line = memory_line(result.trials, space.limit_bytes, self.base)
         plan = BatchPlan(
             batch_size=found.batch_size, target=float(cfg.target), capacity=int(space.capacity_bytes),
@@ -491,7 +493,8 @@ def _log_trial(t: Trial, index: int, space: SearchSpace) -> None:
                 index, t.batch_size, t.outcome, peak, format_bytes(space.limit_bytes), t.seconds)
 
 
-def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device, reason: str) -> NothingFitsError:
+def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device, reason: str, *,
+                  target: float, base: int | None) -> NothingFitsError:
     smallest = min(trials, key=lambda t: t.batch_size) if trials else None
     if smallest is None or reason == "max_trials":
         msg = f"no batch size fitted in {len(trials)} trials on {device}; raise max_trials"
@@ -503,10 +506,13 @@ def _nothing_fits(trials: list[Trial], space: SearchSpace, device: torch.device,
         what = f"ran out of memory{where}{seen}"
     else:
         what = f"peaked at {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes} bytes)"
+    cap = space.capacity_bytes
+    # on a host the target is taken on the room left after what the process held before the search
+    share = f"{target:.0%} of the capacity" if base is None else \
+        f"{format_bytes(base)} in use + {target:.0%} of the {format_bytes(max(0, cap - base))} left of the capacity"
     msg = (
         f"nothing fits on {device}: batch size {smallest.batch_size} {what}, over the limit "
-        f"{format_bytes(space.limit_bytes)} = {space.limit_bytes / space.capacity_bytes:.0%} of the capacity "
-        f"{format_bytes(space.capacity_bytes)} ({space.capacity_bytes} bytes); use a smaller model, "
+        f"{format_bytes(space.limit_bytes)} = {share} {format_bytes(cap)} ({cap} bytes); use a smaller model, "
         "mixed precision or activation checkpointing, a larger target, or a device with more memory"
     )
     return NothingFitsError(msg, batch_size=smallest.batch_size, peak_bytes=smallest.peak_bytes,

@@ -102,7 +102,7 @@ class NothingFitsError(BatchSizeError, RuntimeError):
         batch_size: the smallest batch size tried.
         peak_bytes: its measured peak; for an OOM the bytes live when it failed
             (a lower bound), or ``None`` when no figure is available.
-        limit_bytes: the memory limit (``target × capacity``).
+        limit_bytes: the memory limit (``target × capacity``; on a host ``base + target × (capacity − base)``).
         capacity_bytes: the device capacity.
     """
 
