@@ -548,6 +548,7 @@ class Engine:
             probe.reset()
             grad_norm, skip_reason = self._apply(ran.acc)
         except BaseException as exc:
+            probe.close()
             self._drop_grads()
             explained = self.coordinator.explain(exc)
             if explained is not None:
@@ -558,7 +559,7 @@ class Engine:
         self.steps += 1
         if ran.passes is not None:
             self.batcher.observe_step(ran.micro, n, ran.ooms, ran.passes)
-        self._apply_peak = probe.peak()
+        self._apply_peak = self._end_window(probe)
         peak = max(attempt_peak, self._apply_peak)
         noise = self._commit_noise(skip_reason)
         this_global = self._global
@@ -616,6 +617,17 @@ class Engine:
         if not self.fixed:
             self.retry.snapshot()
         return probe
+
+    @staticmethod
+    def _end_window(probe: Gauge) -> int:
+        """The step's last peak reading, then its window closed.
+
+        Between steps the process runs the caller's own work (data, generation, evaluation), which a
+        host gauge's resident-size sampler would otherwise go on polling every millisecond.
+        """
+        peak = probe.peak()
+        probe.close()
+        return peak
 
     def _until_it_runs(self, split: BatchSplitter, n: int, probe: Gauge, *, tracker: Any, batch: Any) -> _Ran:
         """The step's passes at the micro-batch; after an OOM on any rank, shrunk and run again, until they run."""
