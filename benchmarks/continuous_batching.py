@@ -93,8 +93,6 @@ def run_arm(arm: str, p: dict[str, Any], out_path: str) -> None:
     from transformers import ContinuousBatchingConfig
     from transformers.utils import logging as hf_logging
 
-    from _harness import cap_address_space
-
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
     caches = _capture_cache_sizes()
@@ -102,7 +100,7 @@ def run_arm(arm: str, p: dict[str, Any], out_path: str) -> None:
     model, prompts, gen = _model_and_requests(p)
     rec: dict[str, Any] = {"arm": arm, "sizing_seconds": 0.0, "note": ""}
     if arm != "reference":
-        cap_address_space(p["headroom"] * 2**20)
+        _cap(p["headroom"] * 2**20)
     cfg = None
     try:
         if arm == "batchpilot":
@@ -134,6 +132,17 @@ def run_arm(arm: str, p: dict[str, Any], out_path: str) -> None:
     if caches:
         rec["batch_tokens"], rec["cache"] = caches[-1]  # the run's own (sizing runs came before it)
     Path(out_path).write_text(json.dumps(rec))
+
+
+def _cap(headroom: int) -> None:
+    """``RLIMIT_AS`` at what this process maps now + ``headroom`` bytes.
+
+    Read from ``/proc`` here rather than through ``_harness``, which imports batchpilot: the
+    batchpilot arm must pay for every batchpilot module it imports from the room under the cap.
+    """
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + headroom, mapped + headroom))
 
 
 def _note(exc: BaseException) -> str:
@@ -223,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small model and 24 requests (a smoke run)")
     ap.add_argument("--headroom", type=int, default=None, help="MiB of address space over what each arm maps")
     ap.add_argument("--jobs", type=int, default=1, help="arms side by side, each pinned to a core of its own")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of the capped arms, their order rotated each round (the reference and "
+                         "transformers' defaults run once); ratios are taken within a round (default 1)")
     ap.add_argument("--json", default=None, help="write the records and the table here")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--params", help=argparse.SUPPRESS)
@@ -238,25 +250,46 @@ def main(argv: list[str] | None = None) -> int:
     from batchpilot.app.report import format_table
 
     import tempfile
+    names = arms(p)
+    once = [a for a in names if a in ("reference", "transformers defaults")]
+    every = [a for a in names if a not in once]
+    rounds: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bp-cb-") as tmp:
-        names = arms(p)
         cpus = sorted(os.sched_getaffinity(0)) if args.jobs > 1 else None
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = [pool.submit(launch, arm, p, Path(tmp), cpus[i % len(cpus)] if cpus else None)
-                       for i, arm in enumerate(names)]
-            records = [f.result() for f in futures]
-    rows, verdict = table(records, p)
-    print(f"continuous batching under RLIMIT_AS = mapped + {p['headroom']} MiB; {p['requests']} requests, "
-          f"{p['new_tokens']} new tokens; {p['layers']}-layer Llama, hidden {p['hidden']}, float32")
-    print(format_table(COLUMNS, rows))
-    ratio = verdict["batchpilot_ratio"]
-    print(f"\nbatchpilot at {ratio:.2f}x the best hand-tuned budget's req/s" if ratio else "\nbatchpilot did not complete",
-          "(goal >= 0.9x, identical outputs):", "met" if verdict["goal_met"] else "NOT met")
+        for k in range(args.rounds):
+            order = (once if k == 0 else []) + every[k % len(every):] + every[:k % len(every)]
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+                futures = [pool.submit(launch, arm, p, Path(tmp), cpus[i % len(cpus)] if cpus else None)
+                           for i, arm in enumerate(order)]
+                records = [f.result() for f in futures]
+            if k > 0:  # the outputs are compared with the first round's reference
+                records.append(rounds[0][0])
+            records.sort(key=lambda r: names.index(r["arm"]))
+            rounds.append(records)
+    verdicts = []
+    for k, records in enumerate(rounds):
+        rows, verdict = table(records, p)
+        verdicts.append(verdict)
+        print(f"continuous batching under RLIMIT_AS = mapped + {p['headroom']} MiB; {p['requests']} requests, "
+              f"{p['new_tokens']} new tokens; {p['layers']}-layer Llama, hidden {p['hidden']}, float32"
+              + (f"; round {k + 1} of {args.rounds}" if args.rounds > 1 else ""))
+        print(format_table(COLUMNS, rows))
+        ratio = verdict["batchpilot_ratio"]
+        print(f"\nbatchpilot at {ratio:.2f}x the best hand-tuned budget's req/s" if ratio else
+              "\nbatchpilot did not complete", "(goal >= 0.9x, identical outputs):",
+              "met" if verdict["goal_met"] else "NOT met")
+    if args.rounds > 1:
+        import statistics
+        ratios = [v["batchpilot_ratio"] or 0.0 for v in verdicts]
+        print(f"\nover {args.rounds} rounds: batchpilot / best hand-tuned median {statistics.median(ratios):.2f} "
+              f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}); goal met in "
+              f"{sum(v['goal_met'] for v in verdicts)} of {args.rounds}")
     if args.json:
-        for r in records:
-            r.pop("outputs", None)
-        doc = {"date": datetime.date.today().isoformat(), "machine": machine(), "params": p, "records": records,
-               "verdict": verdict}
+        for records in rounds:
+            for r in records:
+                r.pop("outputs", None)
+        doc = {"date": datetime.date.today().isoformat(), "machine": machine(), "params": p, "records": rounds[0],
+               "rounds": rounds, "verdict": verdicts[0], "verdicts": verdicts}
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 

@@ -38,6 +38,7 @@ import datetime
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -229,45 +230,81 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner = ForkRunner(PRELOAD, malloc="dynamic", env=args.env) if args.env else ForkRunner(PRELOAD)
     rows = []
     started = time.perf_counter()
+
+    def one(task: str, method: str) -> dict[str, Any]:
+        r = runner("lm_eval_side_by_side", "measure", {"config": config, "task": task, "method": method},
+                   timeout=args.timeout)
+        doc = r.data if r.ok else {"task": task, "method": method, "error": r.stderr.splitlines()[-1][:120]
+                                   if r.stderr else f"exit {r.returncode}", "results": None}
+        print(f"  {task:22s} {method:11s} {doc.get('seconds', float('nan')):7.1f} s"
+              f"{'  ' + doc['error'] if doc.get('error') else ''}", flush=True)
+        return doc
+
     for task in args.tasks:
-        docs = {}
-        for method in methods_for(task, config, args.methods):
-            r = runner("lm_eval_side_by_side", "measure", {"config": config, "task": task, "method": method},
-                       timeout=args.timeout)
-            doc = r.data if r.ok else {"task": task, "method": method, "error": r.stderr.splitlines()[-1][:120]
-                                       if r.stderr else f"exit {r.returncode}", "results": None}
-            docs[method] = doc
-            print(f"  {task:22s} {method:11s} {doc.get('seconds', float('nan')):7.1f} s"
-                  f"{'  ' + doc['error'] if doc.get('error') else ''}", flush=True)
-        base = docs["hflm 1"]
-        auto = docs.get("hflm auto", {})
-        for method, doc in docs.items():
-            calls = doc.get("generate_calls") if task == "generate_until" else doc.get("forward_calls")
-            row = {"task": task, "method": method, "n": doc.get("n"), "seconds": doc.get("seconds"),
-                   "req/s": doc["n"] / doc["seconds"] if doc.get("seconds") and doc.get("results") else None,
-                   "calls": calls, "ooms": doc.get("ooms"), "same as hflm 1": _same(task, doc.get("results"),
-                                                                                     base.get("results")),
-                   "error": doc.get("error")}
-            for key in ("trials", "trials_per_length", "ooms_after_first_batch", "sizing_seconds", "batch_sizes",
-                        "prompts_in_trials", "batches"):
-                if key in doc:
-                    row[key] = doc[key]
-            if row["req/s"] and auto.get("seconds") and auto.get("results"):
-                row["× auto req/s"] = row["req/s"] / (auto["n"] / auto["seconds"])
-            fixed = [d["n"] / d["seconds"] for m, d in docs.items() if m.startswith("hflm ") and m != "hflm auto"
-                     and d.get("seconds") and d.get("results")]
-            if row["req/s"] and fixed:
-                row["× best fixed req/s"] = row["req/s"] / max(fixed)
-            rows.append(row)
+        methods = methods_for(task, config, args.methods)
+        # the reference (hflm 1) runs once; the others take turns, their order rotated each round, so
+        # that the arms compared share the machine's load of the same minutes
+        others = [m for m in methods if m != "hflm 1"]
+        base = one(task, "hflm 1")
+        for k in range(args.rounds):
+            docs = {"hflm 1": base}
+            for method in others[k % max(1, len(others)):] + others[:k % max(1, len(others))]:
+                docs[method] = one(task, method)
+            docs = {m: docs[m] for m in methods}
+            rows += _rows(task, docs, base, round_=k + 1 if args.rounds > 1 else None)
         if task == "generate_until" and not HAS_GENERATE:
             rows.append({"task": task, "method": "batchpilot", "error": "batchpilot.infer.generate is not in this "
                          "tree (generate_by_length): no row"})
     return {"benchmark": "lm_eval_side_by_side", "quick": args.quick, "config": config, "env": args.env, "rows": rows,
-            "seconds": time.perf_counter() - started, "machine": machine(),
+            "rounds": args.rounds, "seconds": time.perf_counter() - started, "machine": machine(),
             "date": datetime.date.today().isoformat()}
 
 
-COLUMNS = ("task", "method", "req/s", "× auto req/s", "× best fixed req/s", "calls", "ooms", "same as hflm 1", "seconds",
+def _rows(task: str, docs: dict[str, dict[str, Any]], base: dict[str, Any], round_: int | None) -> list[dict[str, Any]]:
+    """One row per method of one task (one round of it), its ratios against the same round's arms."""
+    rows = []
+    auto = docs.get("hflm auto", {})
+    for method, doc in docs.items():
+        calls = doc.get("generate_calls") if task == "generate_until" else doc.get("forward_calls")
+        row = {"task": task, "method": method, "n": doc.get("n"), "seconds": doc.get("seconds"),
+               "req/s": doc["n"] / doc["seconds"] if doc.get("seconds") and doc.get("results") else None,
+               "calls": calls, "ooms": doc.get("ooms"), "same as hflm 1": _same(task, doc.get("results"),
+                                                                                 base.get("results")),
+               "error": doc.get("error")}
+        for key in ("trials", "trials_per_length", "ooms_after_first_batch", "sizing_seconds", "batch_sizes",
+                    "prompts_in_trials", "batches"):
+            if key in doc:
+                row[key] = doc[key]
+        if row["req/s"] and auto.get("seconds") and auto.get("results"):
+            row["× auto req/s"] = row["req/s"] / (auto["n"] / auto["seconds"])
+        fixed = [d["n"] / d["seconds"] for m, d in docs.items() if m.startswith("hflm ") and m != "hflm auto"
+                 and d.get("seconds") and d.get("results")]
+        if row["req/s"] and fixed:
+            row["× best fixed req/s"] = row["req/s"] / max(fixed)
+        if round_ is not None:
+            row["round"] = round_
+        rows.append(row)
+    return rows
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (task, method) over the rounds: the median req/s and the median of each round's ratios."""
+    out = []
+    keys = list(dict.fromkeys((r["task"], r["method"]) for r in rows if "round" in r))
+    for task, method in keys:
+        mine = [r for r in rows if r["task"] == task and r["method"] == method and "round" in r]
+        row: dict[str, Any] = {"task": task, "method": method, "round": f"median of {len(mine)}"}
+        for col in ("req/s", "× best fixed req/s", "× auto req/s", "calls", "ooms"):
+            got = [r[col] for r in mine if r.get(col) is not None]
+            row[col] = statistics.median(got) if len(got) == len(mine) else None
+        row["same as hflm 1"] = "yes" if all(r.get("same as hflm 1") == "yes" for r in mine) else "no"
+        row["seconds"] = statistics.median(r["seconds"] for r in mine if r.get("seconds")) if any(
+            r.get("seconds") for r in mine) else None
+        out.append(row)
+    return out
+
+
+COLUMNS = ("task", "round", "method", "req/s", "× auto req/s", "× best fixed req/s", "calls", "ooms", "same as hflm 1", "seconds",
            "note")
 
 
@@ -306,6 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--headroom-mib", type=int, default=None,
                    help="address space allowed beyond what each process maps after its warm-up (default 176; --quick 48)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per process")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of every method but the reference (hflm 1, run once), their order rotated each "
+                        "round; ratios are taken within a round and their medians reported (default 1)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     p.add_argument("--methods", type=lambda s: [m.strip() for m in s.split(",") if m.strip()], default=None,
                    help="comma-separated methods to run (hflm 1, the reference, always runs), e.g. 'batchpilot,hflm 13'")
@@ -329,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{c['words']} words), each run in a fresh process under RLIMIT_AS = its address space + "
           f"{c['headroom_mib']} MiB, {setup}; torch {result['machine']['torch']}, {result['date']}")
     print(table(result["rows"]))
+    if result["rounds"] > 1:
+        print(f"\nmedians over {result['rounds']} rounds (ratios: the median of each round's own)")
+        print(table(medians(result["rows"])))
     print(f"total {result['seconds']:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1, default=str))

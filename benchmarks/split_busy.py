@@ -54,8 +54,8 @@ from batchpilot.find.front import find_batch_size_for  # noqa: E402
 from batchpilot.find.options import FindOptions  # noqa: E402
 from batchpilot.train.engine import Engine, EngineConfig  # noqa: E402
 
-BUSY_COLUMNS = ("run", "fewest", "nominated", "default ran", "default", "fewest s", "old", "default/fewest",
-                "old/fewest", "goal")
+BUSY_COLUMNS = ("run", "fewest", "nominated", "default ran", "default", "fewest s", "control", "old", "default/fewest",
+                "paired", "control/fewest", "control paired", "old/fewest", "goal")
 FORCED_COLUMNS = ("run", "forced timing", "nominated", "verdict", "after steps", "pair ratios (split/fewest)",
                   "forced ran", "forced/fewest")
 QUIET_COLUMNS = ("run", "largest", "fewest", "old split", "default ran", "default/old", "fewest/old", "wall d/o",
@@ -120,16 +120,20 @@ def busy_worker(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  [run {args.seed}] plan {plan.batch_size} in {find_seconds:.0f} s, timed {plan.timed_points()}", file=sys.stderr, flush=True)
     engines = {}
     plans = {"default": plan, "fewest": plan}
+    if args.control:
+        plans["control"] = plan
     if args.force_factor:
         plans["forced"] = forced_plan(plan, 64, args.force_factor)
     for name, p in plans.items():
         m, o = copy.deepcopy((model, opt))
-        cfg = EngineConfig(split="fewest") if name == "fewest" else EngineConfig()
+        cfg = EngineConfig(split="fewest") if name in ("fewest", "control") else EngineConfig()
         engines[name] = Engine(m, o, lm_loss, global_batch_size=64, start=p, config=cfg)
     batches = [padded_batch(g, 64, args.longest) for _ in range(args.steps)]
     first = engines["default"].step(batches[0])  # the split is nominated on the first step
     nominated = engines["default"].split
     engines["fewest"].step(batches[0])
+    if "control" in engines:
+        engines["control"].step(batches[0])
     assert nominated is not None
     fewest_split = engines["fewest"].split
     forced_first = engines["forced"].step(batches[0]) if "forced" in engines else None
@@ -164,7 +168,19 @@ def busy_worker(args: argparse.Namespace) -> dict[str, Any]:
         "final": [engines["default"].micro_batch_size, engines["default"].micro_batch_reason],
         "steps": steps,
         "median": {n: statistics.median(s["seconds"] for s in st) for n, st in steps.items()},
+        "paired": {n: paired(st, steps["fewest"]) for n, st in steps.items() if n != "fewest"},
     }
+
+
+def paired(steps: list[dict[str, Any]], fewest: list[dict[str, Any]]) -> float:
+    """The median over batches of one engine's step time over the fewest's on the same batch.
+
+    The two steps of a pair ran one right after the other, so a burst of the co-tenant's work
+    tends to stretch both: the ratio cancels what the medians of each alone keep. Only the
+    batches both trained in turns count (the default's first step, at its nomination, does not).
+    """
+    offset = len(steps) - len(fewest)
+    return statistics.median(s["seconds"] / f["seconds"] for s, f in zip(steps[offset:], fewest))
 
 
 def forced_plan(plan: Any, total: int, factor: float) -> Any:
@@ -249,7 +265,8 @@ def run_busy(args: argparse.Namespace) -> list[dict[str, Any]]:
         for run in runs[start:start + args.parallel]:
             cmd = [sys.executable, __file__, "--worker", "--seed", str(run), "--steps", str(args.steps),
                    "--longest", str(args.longest), "--capacity", args.capacity,
-                   "--force-factor", str(args.force_factor)] + (["--quick"] if args.quick else [])
+                   "--force-factor", str(args.force_factor)] + (["--quick"] if args.quick else []) + (
+                       [] if args.control else ["--no-control"])
             # its progress (stderr) passes through; its result is the line on stdout
             procs[run] = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -278,11 +295,16 @@ def _split(micro_accum: list[int]) -> str:
 
 def busy_row(r: dict[str, Any]) -> tuple:
     ran = sorted({(s["accum"], s["micro"]) for s in r["steps"]["default"]})
-    old = r["median"].get("old")
+    old, control = r["median"].get("old"), r["median"].get("control")
+    pair = r.get("paired", {})
     return (r["run"], _split(r["fewest"]), _split(r["nominated"]),
             ", ".join(f"{k} x {m}: {sum(1 for s in r['steps']['default'] if s['accum'] == k)}" for k, m in ran),
             f"{r['median']['default']:.2f} s", f"{r['median']['fewest']:.2f} s",
+            "-" if control is None else f"{control:.2f} s",
             "-" if old is None else f"{old:.2f} s", f"{r['default_over_fewest']:.3f}",
+            f"{pair['default']:.3f}" if "default" in pair else "-",
+            "-" if control is None else f"{control / r['median']['fewest']:.3f}",
+            f"{pair['control']:.3f}" if "control" in pair else "-",
             "-" if r["old_over_fewest"] is None else f"{r['old_over_fewest']:.3f}",
             "met" if r["default_over_fewest"] <= 1.5 else "missed")
 
@@ -320,6 +342,11 @@ def format_result(doc: dict[str, Any]) -> str:
                 f"default/fewest: median {statistics.median(ratios):.3f} over {len(rows)} runs, worst "
                 f"{max(ratios):.3f}; goal (median <= 1.10, none over 1.5): "
                 + ("met" if statistics.median(ratios) <= 1.10 and max(ratios) <= 1.5 else "missed")]
+        controls = [r["median"]["control"] / r["median"]["fewest"] for r in rows if "control" in r["median"]]
+        if controls:
+            out.append(f"control/fewest (two engines at split='fewest', the noise of this measurement): median "
+                       f"{statistics.median(controls):.3f} over {len(controls)} runs, range "
+                       f"{min(controls):.3f}-{max(controls):.3f}")
         forced = [r for r in rows if r.get("forced")]
         if forced:
             fr = [r["median"]["forced"] / r["median"]["fewest"] for r in forced]
@@ -339,6 +366,17 @@ def format_result(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One document from several runs' JSON files (e.g. one run each, every one under the bench lock)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    doc = dict(docs[0])
+    doc["busy"] = sorted((r for d in docs for r in d["busy"]), key=lambda r: r["run"])
+    doc["quiet"] = [r for d in docs for r in d["quiet"]]
+    doc["seconds"] = sum(d["seconds"] for d in docs)
+    doc["command"] = [d["command"] for d in docs]
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=8, help="busy runs, each a fresh process (default 8)")
@@ -355,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also train an engine (default config) from the plan with the trials below the fewest "
                         "micro-batch timed this many times their time (e.g. 0.05): a split nominated wrongly, "
                         "which the check against real steps must catch (default 0: none)")
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="leave out the control: a second engine at split='fewest' beside the first, whose ratio "
+                        "to it is the noise of the measurement (default: trained)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="print one table from the JSON files of earlier runs (each its own --runs/--first-run)")
     p.add_argument("--quiet-runs", type=int, default=3, help="quiet CNN runs (default 3; 0 skips)")
     p.add_argument("--quiet-steps", type=int, default=24, help="steps per engine per quiet run (default 24)")
     p.add_argument("--quiet-batch", type=int, default=96,
@@ -371,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         args.quiet_batch = min(args.quiet_batch, 16)
     if args.worker:
         print("RESULT " + json.dumps(busy_worker(args)), flush=True)
+        return 0
+    if args.merge:
+        print(format_result(merge(args.merge)))
         return 0
     doc: dict[str, Any] = {
         "benchmark": "split_busy", "date": datetime.date.today().isoformat(),
