@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import math
 import statistics
 import sys
@@ -318,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="independent runs of the search and the sweep per model (default 3): the spread is the noise")
     p.add_argument("--quick", action="store_true", help="smaller models and fewer rounds (the tests)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--compare", nargs="+", metavar="LABEL=PATH", default=None,
+                   help="print the throughput objective's answers of earlier runs' JSON files side by side, "
+                        "grouped by label (e.g. before=a.json after=b.json before=c.json ...) and exit")
     args = p.parse_args(argv)
+    if args.compare:
+        print(format_compare(args.compare))
+        return 0
     for m in args.models:
         if m not in MODEL_NAMES:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODEL_NAMES)}")
@@ -377,6 +384,36 @@ def format_result(doc: dict[str, Any]) -> str:
                 format_table(SPLIT_COLUMNS, [split_row(r) for r in doc["splits"]])]
     out.append(f"total {doc['seconds']:.0f} s")
     return "\n".join(out)
+
+
+COMPARE_COLUMNS = ("model", "mode", "tol", "label", "runs", "choices (largest)", "choice/best s/s per run", "median",
+                   "worst", "< 0.95", "choice/largest peak (median)", "trials (median)")
+
+
+def format_compare(items: list[str]) -> str:
+    """The throughput objective's answers of several runs, by label: how close each came to its own sweep's best.
+
+    Each run's ratio is against the best size of the sweep in that run's own process, so runs of
+    two versions of the library taking turns compare on the same footing.
+    """
+    groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
+    for item in items:
+        label, eq, path = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--compare takes LABEL=PATH items, got {item!r}")
+        doc = json.loads(Path(path).read_text())
+        for r in doc["sweeps"]:
+            groups.setdefault((r["model"], r["mode"], r["tolerance"]), {}).setdefault(label, []).append(r)
+    rows = []
+    for (model, mode, tol), by_label in groups.items():
+        for label, rs in by_label.items():
+            ratios = [r["choice_over_best"] for r in rs]
+            rows.append((model, mode, tol, label, len(rs), ", ".join(f"{r['choice']} ({r['largest']})" for r in rs),
+                         ", ".join(f"{x:.3f}" for x in ratios), f"{statistics.median(ratios):.3f}",
+                         f"{min(ratios):.3f}", f"{sum(x < 0.95 for x in ratios)}/{len(rs)}",
+                         f"{statistics.median(r['choice_peak_over_largest'] for r in rs):.2f}",
+                         f"{statistics.median(r['find_trials'] for r in rs):.0f}"))
+    return format_table(COMPARE_COLUMNS, rows)
 
 
 if __name__ == "__main__":
