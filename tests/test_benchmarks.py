@@ -249,8 +249,29 @@ def test_split_busy_quick_runs_the_reproduction_and_the_quiet_check(tmp_path):
     assert len(busy["steps"]["default"]) == 3 and len(busy["steps"]["fewest"]) == 2
     assert busy["nominated"][1] >= busy["fewest"][1]  # a nomination has the fewest micro-batches or more
     assert busy["median"]["default"] > 0 and busy["default_over_fewest"] > 0
+    # the control: a second engine at split="fewest", timed as the first (the measurement's own noise)
+    assert len(busy["steps"]["control"]) == 2 and set(busy["paired"]) >= {"default", "control"}
+    assert "control/fewest" in proc.stdout
     (quiet,) = doc["quiet"]
     assert {"default", "fewest", "old"} <= set(quiet["steps"]) and quiet["total"] == 16
+
+
+@pytest.mark.bench
+def test_split_busy_pairs_steps_of_one_batch_and_merges_runs(tmp_path):
+    import split_busy as sb
+
+    fewest = [{"seconds": s} for s in (1.0, 2.0, 4.0)]
+    # the default's list holds its first step (the nomination) too: pairs are taken on the shared batches
+    default = [{"seconds": 9.0}] + [{"seconds": s} for s in (1.1, 2.0, 3.6)]
+    assert sb.paired(default, fewest) == pytest.approx(1.0)
+    docs = []
+    for run in (2, 1):
+        path = tmp_path / f"busy_{run}.json"
+        path.write_text(json.dumps({"busy": [{"run": run}], "quiet": [], "seconds": 10.0, "command": f"run {run}",
+                                    "machine": {}, "date": "d"}))
+        docs.append(path)
+    merged = sb.merge(docs)
+    assert [r["run"] for r in merged["busy"]] == [1, 2] and merged["seconds"] == 20.0
 
 
 @pytest.mark.bench
@@ -680,6 +701,23 @@ def test_lm_eval_side_by_side_takes_a_users_environment_and_a_choice_of_methods(
     assert env["MALLOC_MMAP_THRESHOLD_"] == "1048576" and "MALLOC_ARENA_MAX" not in env
 
 
+def test_lm_eval_side_by_side_rounds_report_the_median_of_each_rounds_ratio():
+    import lm_eval_side_by_side as side
+
+    def doc(method, seconds):
+        return {"task": "generate_until", "method": method, "n": 10, "seconds": seconds, "results": ["a"] * 10,
+                "generate_calls": 2, "ooms": 0}
+
+    base = doc("hflm 1", 10.0)
+    rows = []
+    for k, (ours, fixed) in enumerate(((1.0, 1.0), (2.0, 1.0), (3.0, 3.3))):  # ratios 1.0, 0.5, 1.1
+        rows += side._rows("generate_until", {"hflm 1": base, "hflm 8": doc("hflm 8", fixed),
+                                              "batchpilot": doc("batchpilot", ours)}, base, round_=k + 1)
+    med = {r["method"]: r for r in side.medians(rows)}
+    assert med["batchpilot"]["× best fixed req/s"] == pytest.approx(1.0)  # not the ratio of the medians
+    assert med["batchpilot"]["same as hflm 1"] == "yes" and med["hflm 8"]["round"] == "median of 3"
+
+
 def test_continuous_batching_table_compares_with_the_best_hand_tuned_budget():
     import continuous_batching as cb
 
@@ -698,6 +736,21 @@ def test_continuous_batching_table_compares_with_the_best_hand_tuned_budget():
     assert [r[-2] for r in rows] == ["(reference)", "no", "yes", "yes", "yes"]
     records[-1]["outputs"] = [[1, 2], [3], [4, 5], [7]]  # one request's tokens differ: not the same outputs
     assert not cb.table(records, p)[1]["goal_met"]
+
+
+def test_speed_compare_groups_runs_by_label(tmp_path):
+    import speed
+
+    def run(label, choice, ratio):
+        path = tmp_path / f"{label}_{choice}.json"
+        path.write_text(json.dumps({"sweeps": [{"model": "mlp", "mode": "eval", "tolerance": 0.05, "choice": choice,
+                                                "largest": 100, "choice_over_best": ratio,
+                                                "choice_peak_over_largest": choice / 100, "find_trials": 9}]}))
+        return f"{label}={path}"
+
+    text = speed.format_compare([run("before", 10, 0.8), run("after", 100, 0.99), run("before", 20, 0.96)])
+    lines = [line for line in text.splitlines() if line.startswith("mlp")]
+    assert len(lines) == 2 and "10 (100), 20 (100)" in lines[0] and "1/2" in lines[0] and "0.990" in lines[1]
 
 
 @pytest.mark.bench
