@@ -17,7 +17,10 @@ and ``generate``, and only then caps its address space with ``RLIMIT_AS`` at wha
 
 Columns: requests per second over the whole call (sizing included), the model's forward calls
 (``_model_call``) or ``generate`` calls, the allocator OOMs among them, and whether the results
-equal ``hflm 1``'s (log-likelihoods to 1e-4 relative, greedy flags and generations exactly).
+equal ``hflm 1``'s (log-likelihoods to 1e-4 relative, greedy flags and generations exactly);
+``× best fixed by cpu``: the best fixed size's CPU seconds for the call over this method's (one
+torch thread, so the load of other work on a shared machine does not stretch it as it does the
+wall clock). ``--rounds N`` runs every method but the reference N times, in turns.
 
     python benchmarks/lm_eval_side_by_side.py                 # the full run (minutes)
     python benchmarks/lm_eval_side_by_side.py --quick         # a small model and a few requests: a smoke test
@@ -149,7 +152,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     generate = _Counted(model.generate)
     model.generate = generate
     cap_address_space(config["headroom_mib"] * MiB)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         out = getattr(lm, task)(asks, disable_tqdm=True)
         error = None
@@ -157,6 +160,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         out, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
     seconds = time.perf_counter() - started
     doc: dict[str, Any] = {"task": task, "method": method, "seconds": seconds, "results": out, "error": error,
+                           "cpu_seconds": time.process_time() - cpu,
                            "forward_calls": forward.calls, "generate_calls": generate.calls,
                            "ooms": forward.ooms + generate.ooms, "n": len(asks)}
     if method == "batchpilot" and task != "generate_until":
@@ -281,6 +285,12 @@ def _rows(task: str, docs: dict[str, dict[str, Any]], base: dict[str, Any], roun
                  and d.get("seconds") and d.get("results")]
         if row["req/s"] and fixed:
             row["× best fixed req/s"] = row["req/s"] / max(fixed)
+        # the same by the process's CPU time (one torch thread): what the load of other work does not stretch
+        fixed_cpu = [d["cpu_seconds"] for m, d in docs.items() if m.startswith("hflm ") and m != "hflm auto"
+                     and d.get("cpu_seconds") and d.get("results")]
+        if row["req/s"] and doc.get("cpu_seconds") and fixed_cpu:
+            row["cpu s"] = doc["cpu_seconds"]
+            row["× best fixed by cpu"] = min(fixed_cpu) / doc["cpu_seconds"]
         if round_ is not None:
             row["round"] = round_
         rows.append(row)
@@ -294,7 +304,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for task, method in keys:
         mine = [r for r in rows if r["task"] == task and r["method"] == method and "round" in r]
         row: dict[str, Any] = {"task": task, "method": method, "round": f"median of {len(mine)}"}
-        for col in ("req/s", "× best fixed req/s", "× auto req/s", "calls", "ooms"):
+        for col in ("req/s", "× best fixed req/s", "× best fixed by cpu", "cpu s", "× auto req/s", "calls", "ooms"):
             got = [r[col] for r in mine if r.get(col) is not None]
             row[col] = statistics.median(got) if len(got) == len(mine) else None
         row["same as hflm 1"] = "yes" if all(r.get("same as hflm 1") == "yes" for r in mine) else "no"
@@ -304,8 +314,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-COLUMNS = ("task", "round", "method", "req/s", "× auto req/s", "× best fixed req/s", "calls", "ooms", "same as hflm 1", "seconds",
-           "note")
+COLUMNS = ("task", "round", "method", "req/s", "× auto req/s", "× best fixed req/s", "× best fixed by cpu", "calls", "ooms",
+           "same as hflm 1", "seconds", "cpu s", "note")
 
 
 def _cell(row: dict[str, Any], col: str) -> str:
