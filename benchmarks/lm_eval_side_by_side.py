@@ -20,7 +20,8 @@ Columns: requests per second over the whole call (sizing included), the model's 
 equal ``hflm 1``'s (log-likelihoods to 1e-4 relative, greedy flags and generations exactly);
 ``× best fixed by cpu``: the best fixed size's CPU seconds for the call over this method's (one
 torch thread, so the load of other work on a shared machine does not stretch it as it does the
-wall clock). ``--rounds N`` runs every method but the reference N times, in turns.
+wall clock); ``minor_faults``: pages the call touched first (a block with a mapping of its own faults
+in every page each time). ``--rounds N`` runs every method but the reference N times, in turns.
 
     python benchmarks/lm_eval_side_by_side.py                 # the full run (minutes)
     python benchmarks/lm_eval_side_by_side.py --quick         # a small model and a few requests: a smoke test
@@ -41,6 +42,7 @@ import datetime
 import importlib.util
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -153,6 +155,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     model.generate = generate
     cap_address_space(config["headroom_mib"] * MiB)
     started, cpu = time.perf_counter(), time.process_time()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     try:
         out = getattr(lm, task)(asks, disable_tqdm=True)
         error = None
@@ -161,6 +164,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     doc: dict[str, Any] = {"task": task, "method": method, "seconds": seconds, "results": out, "error": error,
                            "cpu_seconds": time.process_time() - cpu,
+                           # pages first touched: each fresh mapping of a large block costs one per 4 KiB
+                           "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
                            "forward_calls": forward.calls, "generate_calls": generate.calls,
                            "ooms": forward.ooms + generate.ooms, "n": len(asks)}
     if method == "batchpilot" and task != "generate_until":
@@ -275,7 +280,7 @@ def _rows(task: str, docs: dict[str, dict[str, Any]], base: dict[str, Any], roun
                "calls": calls, "ooms": doc.get("ooms"), "same as hflm 1": _same(task, doc.get("results"),
                                                                                  base.get("results")),
                "error": doc.get("error")}
-        for key in ("trials", "trials_per_length", "ooms_after_first_batch", "sizing_seconds", "batch_sizes",
+        for key in ("minor_faults", "trials", "trials_per_length", "ooms_after_first_batch", "sizing_seconds", "batch_sizes",
                     "prompts_in_trials", "batches"):
             if key in doc:
                 row[key] = doc[key]
@@ -304,7 +309,8 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for task, method in keys:
         mine = [r for r in rows if r["task"] == task and r["method"] == method and "round" in r]
         row: dict[str, Any] = {"task": task, "method": method, "round": f"median of {len(mine)}"}
-        for col in ("req/s", "× best fixed req/s", "× best fixed by cpu", "cpu s", "× auto req/s", "calls", "ooms"):
+        for col in ("req/s", "× best fixed req/s", "× best fixed by cpu", "cpu s", "× auto req/s", "calls", "ooms",
+                    "minor_faults"):
             got = [r[col] for r in mine if r.get(col) is not None]
             row[col] = statistics.median(got) if len(got) == len(mine) else None
         row["same as hflm 1"] = "yes" if all(r.get("same as hflm 1") == "yes" for r in mine) else "no"
@@ -315,7 +321,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 COLUMNS = ("task", "round", "method", "req/s", "× auto req/s", "× best fixed req/s", "× best fixed by cpu", "calls", "ooms",
-           "same as hflm 1", "seconds", "cpu s", "note")
+           "same as hflm 1", "seconds", "cpu s", "minor_faults", "note")
 
 
 def _cell(row: dict[str, Any], col: str) -> str:
