@@ -744,7 +744,8 @@ def _host_search(keep: list | None = None, peak_at: int = 48, **options: Any) ->
 
     plan = find_batch_size(step, device="cpu", restore=(model, opt), max_batch_size=48, **options)
     searched = list(calls)
-    with track_peak("cpu", track=(model, opt)) as m:
+    # the host's view: the dataset is in the process already, and its slices add nothing to it
+    with track_peak("cpu", track=(model, opt), host_data=False) as m:
         step(peak_at)
         step(peak_at)
     return searched, plan, m.peak_bytes

@@ -183,6 +183,20 @@ def test_a_slice_of_host_data_counts_like_its_clone():
     assert xb.shape == (16, 64)
 
 
+def test_without_host_data_a_slice_of_data_already_held_costs_nothing():
+    # a host's real memory already holds the dataset: its slices add nothing, what is made of them does
+    X = torch.randn(4096, 64)
+    with track_peak("cpu", host_data=False) as sliced:
+        (X[:8] * 2).sum()
+    with track_peak("cpu", host_data=False) as read_whole:
+        (X * 2).sum()
+    assert sliced.peak_bytes == 8 * 64 * 4 + 4 and sliced.end_bytes == 0
+    assert read_whole.peak_bytes == 4096 * 64 * 4 + 4
+    with track_peak("cpu") as charged:  # the default: a device would hold the slice
+        (X[:8] * 2).sum()
+    assert charged.peak_bytes == sliced.peak_bytes + 8 * 64 * 4
+
+
 def test_fake_tensors_beneath_the_tracker_are_never_charged():
     # fake modes run after user modes: a FakeTensorMode entered inside a tracker (as DTensor's
     # sharding propagation does, at the full unsharded shape) hands it fake outputs, which own no memory

@@ -275,7 +275,10 @@ class TrialRunner:
             self._time_steps(record.times, one_step, False, read)
             return
         lines: list[list[int]] = []
-        with track_peak(self.device, track=self.targets) as m:
+        # the data the step slices (a dataset tensor) is already in the process's real memory: a
+        # slice of it adds nothing there, and a model that charged it per sample would read the
+        # real bytes per tensor byte far below 1 (the dataset's row bytes against the activations')
+        with track_peak(self.device, track=self.targets, host_data=False) as m:
             tracker = active_tracker(self.device)
             record.measure = m
             for i in range(self.steps if recording else 1):

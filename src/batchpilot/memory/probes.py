@@ -80,12 +80,15 @@ class PeakMeasurement:
 
 
 @contextlib.contextmanager
-def track_peak(device: torch.device | str | int | None = None, *, track: Iterable[Any] = ()) -> Iterator[PeakMeasurement]:
+def track_peak(device: torch.device | str | int | None = None, *, track: Iterable[Any] = (),
+               host_data: bool = True) -> Iterator[PeakMeasurement]:
     """Measure the peak allocated bytes of a region on any device.
 
     On CPU a :class:`StorageTracker` is started unless one is running already;
     ``track`` names the modules / optimizers / tensors that exist before the
     region so that they count (a running tracker is told about them too).
+    ``host_data`` is the started tracker's (:class:`StorageTracker`): ``False`` leaves data
+    from outside the region uncharged, as it is in a host's real memory that already holds it.
     The result is filled in when the region ends, also when it raises.
     """
     dev = resolve_device(device)
@@ -95,7 +98,7 @@ def track_peak(device: torch.device | str | int | None = None, *, track: Iterabl
         tr = active_tracker(dev)
         own = tr is None
         if own:
-            tr = StorageTracker(dev)
+            tr = StorageTracker(dev, host_data=host_data)
         tr.track(*track)
         m.start_bytes = m.peak_bytes = tr.live
         m.extra["foreign_release_bytes"] = 0  # StorageTracker.foreign_release_bytes, for this region

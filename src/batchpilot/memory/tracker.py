@@ -195,12 +195,18 @@ class StorageTracker(TorchDispatchMode):
 
     ``torch.compile``'d code runs eagerly while a tracker runs (the eager program is what it
     counts) and is left compiled afterwards (:func:`batchpilot.core.compiled.eager_while_tracked`).
+
+    With ``host_data=False`` data from outside the step is never charged, views or not: what is
+    measured is the memory a step adds to a process that already holds that data (a host's real
+    memory, where ``X[:8]`` of a resident ``X`` costs nothing more).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", capacity: int | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", capacity: int | None = None, *,
+                 host_data: bool = True) -> None:
         super().__init__()
         self.device = torch.device(device)
         self.capacity = capacity
+        self.host_data = host_data
         self._lock = threading.Lock()
         self._ledger = StorageLedger(lock=self._lock, on_release=self._released)
         self._home = threading.get_ident()
@@ -417,7 +423,7 @@ class StorageTracker(TorchDispatchMode):
         # host data an operator read (not merely viewed) is charged by the view it read
         viewed = {id(self._storage(t)) for t in views}
         read = [t for t in host if id(self._storage(t)) not in viewed]
-        if views or read:
+        if (views or read) and self.host_data:
             self._charge_host_views([*views, *read])
         return out
 

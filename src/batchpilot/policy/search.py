@@ -764,8 +764,11 @@ class PredictPolicy(SearchPolicy):
             if not below:
                 # no two trials far enough apart to tell real bytes per tensor byte: one where the
                 # tensors grow by a tenth of the room (more in a small room, where what a trial leaves
-                # behind is a larger share of it), far below the limit whatever the ratio
-                b = model.solve(model(lo) + max(_PROBE * room, min(_SMALL_PROBE * room, _PROBE_BYTES)))
+                # behind is a larger share of it), far below the limit whatever the ratio: never more
+                # than half of what ``lo`` left under it (its peak can be a fixed one, the optimizer
+                # step's, that already takes much of a small room)
+                grow = max(_PROBE * room, min(_SMALL_PROBE * room, _PROBE_BYTES))
+                b = model.solve(model(lo) + min(grow, (space.limit_bytes - pts[lo].peak_bytes) / 2))
             else:
                 # the nearest trial far enough below: real memory is not exactly affine in the tensors
                 # at tiny sizes (heap, page rounding), and the answer is where the large ones are
