@@ -65,3 +65,23 @@ def test_in_a_container_it_is_not_killed_and_no_trial_passes_the_limit():
     assert out["trained"] == 10, out
     assert 0.75 * limit <= used <= limit, (used, out)
     assert len(out["trials"]) <= 6 and out["ooms"] == 0, out
+
+
+PLATEAU = Path(__file__).resolve().parents[1] / "helpers" / "plateau_real.py"
+
+
+@pytest.mark.parametrize("limit, malloc", [(("none",), "default"), (("rlimit", "1024"), "fixed")])
+def test_on_real_memory_a_step_whose_memory_stops_growing_stops_the_search(limit, malloc):
+    # X[:b] of 5000 rows, no capacity, no max_batch_size: on the host's own memory the search ran
+    # to 22 million rows in 25 trials, its growth (a few MB) far inside 2% of a room of gigabytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **MALLOC[malloc])
+    proc = subprocess.run([sys.executable, str(PLATEAU), *limit], env=env, capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    sizes = [t[0] for t in out["trials"]]
+    assert out["stop"] == "plateau" and len(sizes) <= 7, out
+    # the answer is at the level, near where it starts: the step's memory grew up to the dataset's length
+    assert out["rows"] <= out["answer"] <= 4 * out["rows"], out
+    assert "set max_batch_size" in out["reason"], out

@@ -287,6 +287,9 @@ def test_allocator_rounding_needs_a_tolerance():
 # flat up to just past the boundary: predict crept up one sample per trial from the flat fit (33 trials)
 @example(fixed=0, per_sample=179, quadratic=0, flat=94321, jump=0, jump_at=2, headroom=132, target=0.8,
          min_batch_size=1, max_batch_size=None, first_guess=None)
+# an upward step, then a flat start: one step up and level, like a plateau's start (stopped at 2 of 6)
+@example(fixed=0, per_sample=1, quadratic=0, flat=6, jump=1, jump_at=2, headroom=1, target=1.0,
+         min_batch_size=1, max_batch_size=None, first_guess=None)
 def test_exact_strategies_find_the_boundary(fixed, per_sample, quadratic, flat, jump, jump_at, headroom, target,
                                             min_batch_size, max_batch_size, first_guess):
     # a flat start, a linear or convex part and an upward step: what a real peak looks like
@@ -528,6 +531,37 @@ def test_an_oom_the_model_did_not_foresee_is_not_repeated():
     ooms = [t for t in result.trials if t.outcome == OOM]
     assert len(ooms) == 1 and result.trials.index(ooms[0]) < len(result.trials) - 1
     assert result.trials[-1].fits and len(sizes) <= 6, sizes
+
+
+@pytest.mark.parametrize("once", [0, 4 * MB, 12 * MB])
+def test_on_a_large_host_a_plateau_far_inside_the_tolerance_stops_the_search_near_its_start(once):
+    # X[:b] of 5000 rows on a host with gigabytes of room: past 5000 every size adds the same 8 MB,
+    # far less than 2% of the room; the model of the tiny sizes says the tensors should have grown.
+    # The first large trial also sets up ``once`` for good, up to more than the level's own growth
+    rows = 5000
+
+    def tensors(b: int) -> list[int]:
+        return [2 * MB, 1_600 * min(b, rows)]
+
+    base = 300 * MB
+    real = lambda b: base + int(1.05 * max(tensors(b)))  # noqa: E731
+    result, sizes, _ = modelled_run(real, tensors, capacity=20_000 * MB, target=0.8, base=base, left=MB // 4,
+                                    once=(1000, once))
+    assert result.stop_reason == "plateau" and len(sizes) <= 6, sizes
+    assert rows <= result.batch_size <= 4 * rows, sizes  # at the level, near where it starts
+
+
+def test_on_a_large_host_memory_that_grows_little_but_steadily_is_no_plateau():
+    # the same small step reading every sample it is given: its memory grows slowly but without
+    # end, and the search goes on to the limit
+    def tensors(b: int) -> list[int]:
+        return [2 * MB, 1_600 * b]
+
+    base = 300 * MB
+    real = lambda b: base + int(1.05 * max(tensors(b)))  # noqa: E731
+    result, sizes, limit = modelled_run(real, tensors, capacity=2_000 * MB, target=0.8, base=base, left=MB // 4,
+                                        once=(1000, 4 * MB))
+    assert result.stop_reason == "tolerance" and result.trials[-1].peak_bytes <= limit, sizes
 
 
 def dip(b: int) -> int:

@@ -615,8 +615,12 @@ class PredictPolicy(SearchPolicy):
             return pair[0] if pair else _first_size(self.first_guess, space)
         if pair and len(trials) == 1 and trials[0].batch_size == pair[0] and trials[0].measured:
             return pair[1]
-        if self.plateau(trials, space) is not None:
-            return None
+        level = self.plateau(trials, space)
+        if level is not None:
+            return self._narrow(level, trials, space)
+        between = self._grew_once(trials, space)
+        if between is not None:
+            return between
         below = self._level_from_the_start(trials, space)
         if below is not None:
             return below
@@ -650,14 +654,22 @@ class PredictPolicy(SearchPolicy):
         return _clamp(guess, floor + 1, upper)
 
     def _level(self, trials: Sequence[Trial], space: SearchSpace) -> tuple[dict[int, int], float]:
-        """What each measured trial grew from its own start, and how far apart two may be and still count as level.
+        """What each measured trial grew from its own start, less what it kept, and how far apart two may be and still count as level.
 
         Growth, not the peak: on real memory the process creeps up between trials by what each
-        leaves behind, and a peak that creeps so is no growth with the batch.
+        leaves behind, and a peak that creeps so is no growth with the batch. Less what the trial
+        left behind: what a process sets up once (heap grown for good, by the first trial and the
+        first large one) is in that one trial's growth only. How far apart is the measurement's
+        own noise, not the search's tolerance (a share of the room, which on a large host is more
+        than a whole step ever grows): the most a trial after the first left behind (heap kept,
+        JIT code for a new shape), and ``rel_tolerance`` of the largest growth (page rounding and
+        allocator slack scale with it).
         """
-        grown = {t.batch_size: t.peak_bytes - (t.start_bytes or 0) for t in trials if t.measured}
-        starts = [t.start_bytes or 0 for t in trials if t.measured] or [0]
-        return grown, max(self.tolerance_bytes, self.rel_tolerance * (space.limit_bytes - min(starts)))
+        measured = [t for t in trials if t.measured]
+        grown = {t.batch_size: t.peak_bytes - (t.start_bytes or 0) - left_behind(t) for t in measured}
+        left = [left_behind(t) for t in measured[1:]]
+        noise = max([self.tolerance_bytes, self.rel_tolerance * max(grown.values(), default=0), *left])
+        return grown, noise
 
     def _level_from_the_start(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
         """``min_batch_size``, when every fit so far (from a first guess, over a doubling) peaked level.
@@ -665,8 +677,8 @@ class PredictPolicy(SearchPolicy):
         A level stretch is a flat start or a plateau; only a smaller size tells them apart (lower:
         a plateau, see :meth:`plateau`).
         """
-        if space.upper is not None or bracket(trials)[1] is not None:
-            return None
+        if space.upper is not None or space.tensors is not None or bracket(trials)[1] is not None:
+            return None  # a tensor model tells a flat start by itself (plateau)
         pts, noise = self._level(trials, space)
         if len(pts) < 2 or min(pts) <= space.min_batch_size or max(pts) < 2 * min(pts):
             return None
@@ -681,11 +693,56 @@ class PredictPolicy(SearchPolicy):
         overtake a fixed peak, never the reverse). A peak that grew between two fits and then
         stays level, within the noise, at a larger one, where that growth would have added three
         times the noise, is a step that reads no more than some number of samples (``X[:b]`` of a
-        dataset with fewer rows): every larger size costs the same, and without a
-        ``max_batch_size`` the search would climb without end. With one, or below a failure, the
-        search ends as it does anyway: ``None``.
+        dataset with fewer rows), if it grew over two fits below the level at least (one step up
+        and then level can be an upward step before a flat start: :meth:`_grew_once` tries a size
+        between): every larger size costs the same, and without a ``max_batch_size`` the search
+        would climb without end. With one, or below a measured failure, the search ends as it
+        does anyway: ``None``. A refused trial is a prediction, not a measurement: it does not
+        stand in the way.
+
+        With a tensor model (real memory on a host) the model says how much a step's tensors add
+        between two sizes, a flat start included: real memory adds at least ``_MIN_RATIO`` of it.
+        Fits whose growth stays level, within the noise, where the model says the tensors add
+        over three times the noise, are the same plateau, however little the step grew below it
+        (a small model's activations at the dataset's length can be less than the noise). The
+        answer is then the smallest such fit above the model's two tiny sizes.
         """
-        if space.upper is not None or bracket(trials)[1] is not None:
+        found = self._level_above_growth(trials, space)
+        if found is None:
+            return None
+        pts, noise, sizes, level = found
+        if space.tensors is not None:
+            return self._modelled_plateau(sizes[level:], space, noise)
+        a, p = sizes[level - 1], sizes[level]
+        if not any(pts[a] - pts[x] > noise for x in sizes[:level - 1]):
+            return None  # one step up, then level
+        return p
+
+    def _grew_once(self, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        """A size between the fits around a level that one step up reached (no tensor model), to tell a plateau
+        from an upward step before a flat start; ``None`` when there is none to try.
+
+        A plateau's memory grew gradually up to it: a size between shows a peak between the two.
+        An upward step (a kernel's larger workspace) followed by a flat start shows one of the two.
+        The geometric mean, so that a level found far past where it starts is told in one trial.
+        """
+        found = None if space.tensors is not None else self._level_above_growth(trials, space)
+        if found is None:
+            return None
+        _, _, sizes, level = found
+        a, p = sizes[level - 1], sizes[level]
+        b = max(a + 1, min(p - 1, math.isqrt(a * p)))
+        if not a < b < p or any(t.batch_size == b for t in trials):
+            return None
+        return b
+
+    def _level_above_growth(self, trials: Sequence[Trial], space: SearchSpace
+                            ) -> tuple[dict[int, int], float, list[int], int] | None:
+        """``(growth by size, noise, sizes ascending, index of the level's first size)`` when the largest fits
+        are level after growth that would have added three times the noise by the largest (or, with a
+        tensor model, whatever the growth); ``None`` otherwise, or with a ``max_batch_size`` or a
+        measured failure."""
+        if space.upper is not None or bracket(t for t in trials if t.outcome != REFUSED)[1] is not None:
             return None
         pts, noise = self._level(trials, space)
         sizes = sorted(pts)
@@ -695,13 +752,50 @@ class PredictPolicy(SearchPolicy):
         level = len(sizes) - 1
         while level > 0 and abs(top - pts[sizes[level - 1]]) <= noise:
             level -= 1
+        if space.tensors is not None:
+            return pts, noise, sizes, level
         if len(sizes) - level < 2 or level == 0:
             return None  # no fit past the first one at the level, or no growth below it
         a, p = sizes[level - 1], sizes[level]
         grew = pts[p] - pts[a]
         if grew <= noise or grew * (sizes[-1] - p) <= 3 * noise * (p - a):
             return None
+        return pts, noise, sizes, level
+
+    def _modelled_plateau(self, level: Sequence[int], space: SearchSpace, noise: float) -> int | None:
+        """The smallest of ``level`` (fits of one real growth, ascending) that the tensor model says should have grown."""
+        model = space.tensors
+        assert model is not None
+        pair = self._pair(space)
+        above = [b for b in level if pair is None or b > pair[1]]
+        if len(above) < 2:
+            return None
+        p, top = above[0], above[-1]
+        if _MIN_RATIO * (model(top) - model(p)) <= 3 * noise:
+            return None  # the tensors add too little between them to tell a level from growth
         return p
+
+    def _narrow(self, level: int, trials: Sequence[Trial], space: SearchSpace) -> int | None:
+        """A size between the plateau's ``level`` and the fit below it where the tensor model puts its start; else ``None``.
+
+        The model says which size's tensors add what the level's real growth added over the fit
+        below, and the noise more (real bytes per tensor byte taken as 1): the size then lands on
+        the level, a little past its start, however the noise moved the growth read. Tried while
+        the interval is wider than twice that size: a plateau found by a jump far past a dataset's
+        length (a host's room is large) then ends near it, not at the jump.
+        """
+        model = space.tensors
+        if model is None:
+            return None
+        pts, noise = self._level(trials, space)
+        below = [b for b in pts if b < level]
+        if not below:
+            return None
+        a = max(below)
+        b = model.solve(model(a) + max(0, pts[level] - pts[a]) + noise)
+        if b is None or not a < b < level or 2 * b > level or any(t.batch_size == b for t in trials):
+            return None
+        return b
 
     def _flat_at(self, b: int, trials: Sequence[Trial]) -> bool:
         """Whether a measured fit below ``b`` peaked as high as ``b`` (to ``tolerance_bytes``)."""
