@@ -637,7 +637,9 @@ class PredictPolicy(SearchPolicy):
         if lo is not None and self.rel_tolerance and self._close_enough(lo, hi, trials, space):
             return None
         floor = lo if lo is not None else lo_b - 1
-        if _slow_progress(trials, count=2):
+        if hi is not None and any(_slow_progress(trials[:k], count=2) for k in range(3, len(trials) + 1)):
+            # two slow guesses in a row, now or earlier in this search: the line keeps landing near the
+            # failure (a step in the peak), and from then on bisecting is what converges
             return _midpoint(floor, upper, lo_b)
         guess = self._estimate(trials, space, lo, hi)
         if guess is None:
