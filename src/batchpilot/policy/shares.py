@@ -331,7 +331,7 @@ class ShareBalancer:
     # after a move: (shares before it, shares moved to, the slowest rank's seconds per step before it)
     _check: tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]] | None = field(default=None, init=False,
                                                                                          repr=False)
-    # after a reverted move: the reason the shares are held (nothing is measured until reset())
+    # after a reverted move: the reason the shares are held (nothing is measured while _held_for lasts)
     _held: str | None = field(default=None, init=False, repr=False)
     _held_for: int = field(default=0, init=False, repr=False)  # steps left in the hold
     _reverts: int = field(default=0, init=False, repr=False)  # reverted moves in a row (each doubles the hold)
